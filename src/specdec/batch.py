@@ -1,0 +1,48 @@
+"""The committed tokens of every live row: the one thing drafters read to propose."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Sequences:
+    """Prompt plus generated tokens per row, right-padded. tokens: [B, capacity], lengths: [B]."""
+
+    def __init__(self, prompts: list[list[int]], capacity: int, pad_token_id: int,
+                 device: torch.device | str = "cpu"):
+        self.tokens = torch.full((len(prompts), capacity), pad_token_id, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            self.tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # [B]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def append(self, new_tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first counts[b] entries of new_tokens[b] (new_tokens: [B, n], counts: [B])."""
+        n = new_tokens.shape[1]
+        columns = self.lengths[:, None] + torch.arange(n, device=new_tokens.device)  # [B, n]
+        keep = torch.arange(n, device=new_tokens.device) < counts[:, None]
+        columns = torch.where(keep, columns, self.tokens.shape[1] - 1)
+        current = self.tokens.gather(1, columns)
+        self.tokens.scatter_(1, columns, torch.where(keep, new_tokens, current))
+        self.lengths = self.lengths + counts
+
+    def window(self, starts: torch.Tensor, stops: torch.Tensor, pad_token_id: int):
+        """Tokens [starts[b], stops[b]) of each row, left-padded to one block.
+
+        Returns (tokens [B, n], valid [B, n]) with n = max(stops - starts).
+        """
+        n = int((stops - starts).max()) if starts.numel() else 0
+        columns = stops[:, None] - n + torch.arange(n, device=starts.device)  # [B, n]
+        valid = columns >= starts[:, None]
+        tokens = self.tokens.gather(1, columns.clamp_min(0))
+        return tokens.masked_fill(~valid, pad_token_id), valid
+
+    def row(self, index: int) -> list[int]:
+        return self.tokens[index, : int(self.lengths[index])].tolist()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)

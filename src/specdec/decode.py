@@ -1,0 +1,188 @@
+"""3. ACCEPT: the loop propose -> verify -> commit / roll back, for a ragged batch.
+
+Invariant between steps: the target cache holds every committed token of a row except the last
+one (the "pending" token), so a verification feeds [pending, draft_1 .. draft_k] and its k+1
+logits score every draft plus the token after them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import hf
+from .batch import Sequences
+from .cache import KVCache
+from .drafters.base import DecodeContext, Drafter, Proposal
+from .drafters.none import NoDraft
+from .errors import ContextLengthError, InvalidArgumentError
+from .sampling import SamplingConfig, probabilities, sample
+from .stats import Stats
+from .target import Target
+from .verify import verify_greedy, verify_sampling
+
+SCHEDULES = ("constant", "heuristic")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    num_draft_tokens: int = 5
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    draft_schedule: str = "constant"  # "heuristic": +2 after a fully accepted step, -1 otherwise
+    max_draft_tokens: int = 32        # cap for the heuristic schedule
+
+    def __post_init__(self):
+        if self.num_draft_tokens < 1:
+            raise InvalidArgumentError(f"the number of draft tokens k must be >= 1, got {self.num_draft_tokens}")
+        if self.max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.draft_schedule not in SCHEDULES:
+            raise InvalidArgumentError(
+                f"draft schedule must be one of {', '.join(SCHEDULES)}, got {self.draft_schedule!r}")
+
+    @property
+    def k_limit(self) -> int:
+        if self.draft_schedule == "constant":
+            return self.num_draft_tokens
+        return max(self.num_draft_tokens, self.max_draft_tokens)
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[list[int]]   # new tokens of each prompt, EOS included when generated
+    texts: list[str] | None      # decoded new tokens, when the target has a tokenizer
+    stats: Stats
+
+
+def check_context(target: Target, prompts: list[list[int]], config: GenerationConfig) -> None:
+    """Refuse, before any work, generations that would run past the context or attention window."""
+    longest = max(len(p) for p in prompts)
+    window = target.max_positions
+    if window is not None and longest + config.max_new_tokens > window:
+        raise ContextLengthError(
+            f"prompt ({longest} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds "
+            f"the context window of {window} tokens")
+    sliding = hf.sliding_window(target.config)
+    if sliding is not None and longest + config.max_new_tokens + config.k_limit > sliding:
+        raise ContextLengthError(
+            f"this generation may exceed the model's sliding attention window of {sliding} tokens, "
+            "which speculative rollback does not support")
+
+
+def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int = 5,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant") -> GenerationOutput:
+    """Generate from a batch of prompts (str or list of token ids), losslessly sped up by ``drafter``."""
+    config = GenerationConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
+                              sampling=SamplingConfig(temperature, top_k, top_p), seed=seed,
+                              draft_schedule=draft_schedule)
+    return generate_ids(target, target.encode(prompts), drafter or NoDraft(), config)
+
+
+def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
+                 config: GenerationConfig) -> GenerationOutput:
+    check_context(target, prompts, config)
+    started = time.perf_counter()
+    device = target.device
+    batch = len(prompts)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    stats = Stats(drafter=drafter.name, draft_schedule=config.draft_schedule, batch_size=batch)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if config.max_new_tokens == 0:
+        return _finish(target, outputs, stats, started)
+
+    pad = target.pad_token_id
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens + 1
+    seqs = Sequences(prompts, capacity, pad, device=device)
+    prompt_lengths = seqs.lengths.clone()
+    rows = torch.arange(batch, device=device)  # original index of each live row
+    eos = torch.tensor(target.eos_token_ids or [-1], device=device)
+    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit)
+    session = drafter.start(context, seqs)
+
+    # Prefill: the whole prompt, left-padded; its last logits give the first new token.
+    cache = KVCache(batch, device=device)
+    tick = time.perf_counter()
+    tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
+    logits, _ = cache.forward(target.model, tokens, valid, logits_to_keep=1)
+    first = logits[:, -1].argmax(-1) if config.sampling.greedy else sample(
+        probabilities(logits[:, -1], config.sampling), generator)
+    stats.target_forwards += 1
+    stats.prefill_time = time.perf_counter() - tick
+    seqs.append(first[:, None], torch.ones_like(seqs.lengths))
+
+    k = config.num_draft_tokens
+    while True:
+        generated = seqs.lengths - prompt_lengths
+        done = (generated >= config.max_new_tokens) | torch.isin(seqs.tokens.gather(
+            1, (seqs.lengths - 1)[:, None]).squeeze(1), eos)
+        if bool(done.any()):
+            for live, original in zip(done.nonzero().squeeze(1).tolist(), rows[done].tolist()):
+                outputs[original] = seqs.tokens[live, int(prompt_lengths[live]): int(seqs.lengths[live])].tolist()
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            rows, prompt_lengths, generated = rows[keep], prompt_lengths[keep], generated[keep]
+            seqs.select_rows(keep)
+            cache.select_rows(keep)
+            session.select_rows(keep)
+
+        tick = time.perf_counter()
+        proposal = session.propose(seqs, k).clamp(config.max_new_tokens - generated - 1)
+        stats.draft_time += time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        num_accepted, next_token = _verify(target, cache, seqs, proposal, config.sampling, generator)
+        # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
+        cache.truncate(cache.lengths - proposal.lengths + num_accepted)
+        cache.compact()
+        new_tokens = torch.cat([proposal.tokens, next_token[:, None]], dim=1)
+        new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+        counts = _stop_counts(new_tokens, num_accepted + 1, eos)
+        counts = torch.minimum(counts, config.max_new_tokens - generated)
+        seqs.append(new_tokens, counts)
+        stats.target_forwards += 1
+        stats.verify_time += time.perf_counter() - tick
+
+        tick = time.perf_counter()
+        session.accepted(seqs, num_accepted)
+        stats.draft_time += time.perf_counter() - tick
+        stats.record_step(proposal.k, proposal.lengths, num_accepted)
+        if config.draft_schedule == "heuristic":
+            full = bool((num_accepted == proposal.lengths).all())
+            k = min(k + 2, config.k_limit) if full else max(1, k - 1)
+
+    return _finish(target, outputs, stats, started)
+
+
+def _verify(target: Target, cache: KVCache, seqs: Sequences, proposal: Proposal,
+            sampling: SamplingConfig, generator: torch.Generator):
+    """One target pass over [pending, drafts]; returns (num_accepted [B], next_token [B])."""
+    pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
+    tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
+    slots = torch.arange(proposal.k + 1, device=tokens.device)
+    valid = slots[None, :] <= proposal.lengths[:, None]
+    logits, _ = cache.forward(target.model, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+    if sampling.greedy:
+        return verify_greedy(logits, proposal.tokens, proposal.lengths)
+    return verify_sampling(probabilities(logits, sampling), proposal.tokens, proposal.lengths,
+                           proposal.probs, generator)
+
+
+def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Cut each row's new tokens right after its first EOS. new_tokens: [B, n]; counts: [B]."""
+    slots = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+    is_eos = torch.isin(new_tokens, eos) & (slots[None, :] < counts[:, None])
+    first = torch.where(is_eos, slots[None, :], new_tokens.shape[1]).min(1).values
+    return torch.minimum(counts, first + 1)
+
+
+def _finish(target: Target, outputs: list[list[int]], stats: Stats, started: float) -> GenerationOutput:
+    stats.new_tokens = sum(len(o) for o in outputs)
+    stats.total_time = time.perf_counter() - started
+    texts = None if target.tokenizer is None else [target.decode(o) for o in outputs]
+    return GenerationOutput(outputs, texts, stats)

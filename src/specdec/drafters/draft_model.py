@@ -1,0 +1,111 @@
+"""A separate small causal LM that shares the target's vocabulary drafts k tokens autoregressively.
+
+Its KV cache keeps, between steps, the longest prefix still valid: the committed context plus the
+drafts the target accepted. Each step first feeds the tokens it has not seen (the target's
+correction or bonus token, and the last draft when the whole chain was accepted), then drafts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import hf
+from ..batch import Sequences
+from ..cache import KVCache
+from ..errors import ContextLengthError, VocabularyMismatchError
+from ..sampling import probabilities, sample
+from .base import DecodeContext, Proposal
+
+
+class DraftModel:
+    name = "draft-model"
+
+    def __init__(self, model: str | os.PathLike | torch.nn.Module, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        if isinstance(model, torch.nn.Module):
+            self.model, self.tokenizer, self.path = model.eval(), None, None
+        else:
+            self.model = hf.load_causal_lm(model, dtype=dtype, device=device)
+            self.tokenizer = hf.load_tokenizer(model)
+            self.path = str(model)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def check_compatible(self, target) -> None:
+        """Same token ids must mean the same strings, or drafts are meaningless to the target."""
+        if self.tokenizer is not None and target.tokenizer is not None:
+            if self.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+                raise VocabularyMismatchError(
+                    f"draft vocabulary ({len(self.tokenizer)} tokens) differs from the target's "
+                    f"({len(target.tokenizer)} tokens)")
+        elif self.vocab_size != target.vocab_size:
+            raise VocabularyMismatchError(
+                f"draft vocabulary size {self.vocab_size} differs from the target's {target.vocab_size}")
+
+    def start(self, context: DecodeContext, seqs: Sequences) -> "DraftModelSession":
+        self.check_compatible(context.target)
+        window = hf.max_positions(self.model.config)
+        needed = int(seqs.lengths.max()) + context.max_new_tokens + context.max_draft_tokens
+        if window is not None and needed > window:
+            raise ContextLengthError(
+                f"the draft model's context window is {window} tokens, this generation needs up to {needed}")
+        return DraftModelSession(self.model, context, seqs.batch_size, context.target.vocab_size)
+
+
+class DraftModelSession:
+    def __init__(self, model, context: DecodeContext, batch_size: int, target_vocab: int):
+        self.model = model
+        self.sampling = context.sampling
+        self.generator = context.generator
+        self.pad = context.target.pad_token_id
+        self.target_vocab = target_vocab
+        self.cache = KVCache(batch_size, device=context.target.device)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""
+        width = logits.shape[-1]
+        if width == self.target_vocab:
+            return logits
+        if width > self.target_vocab:
+            return logits[..., : self.target_vocab]
+        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - width), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def _next(self, logits: torch.Tensor):
+        """Draft token and (when sampling) its distribution from logits [B, V]."""
+        logits = self._fit_vocab(logits.float())
+        if self.sampling.greedy:
+            return logits.argmax(-1), None
+        probs = probabilities(logits, self.sampling)
+        return sample(probs, self.generator), probs
+
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        # Catch up on committed tokens this cache has not seen (ragged: left-padded with holes).
+        tokens, valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
+        logits, _ = self.cache.forward(self.model, tokens, valid, logits_to_keep=1)
+        drafts, dists = [], []
+        token, probs = self._next(logits[:, -1])
+        drafts.append(token)
+        dists.append(probs)
+        everyone = torch.ones(seqs.batch_size, 1, dtype=torch.bool, device=tokens.device)
+        for _ in range(k - 1):
+            logits, _ = self.cache.forward(self.model, token[:, None], everyone, logits_to_keep=1)
+            token, probs = self._next(logits[:, -1])
+            drafts.append(token)
+            dists.append(probs)
+        lengths = torch.full((seqs.batch_size,), k, dtype=torch.long, device=tokens.device)
+        stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
+        return Proposal(torch.stack(drafts, dim=1), lengths, stacked)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        # The cache holds context + the first k-1 drafts; keep what the target accepted of them.
+        # seqs.lengths now counts the accepted drafts and one target token on top of the old context.
+        self.cache.truncate(torch.minimum(self.cache.lengths, seqs.lengths - 1))
+        self.cache.compact()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.select_rows(index)

@@ -1,0 +1,29 @@
+"""Exceptions for input the user can fix; the CLI prints them as one line."""
+
+
+class SpecdecError(Exception):
+    """Base class of every error caused by bad input or an unusable model."""
+
+
+class ModelLoadError(SpecdecError):
+    """A model directory is missing, incomplete or not a causal LM."""
+
+
+class VocabularyMismatchError(SpecdecError):
+    """A drafter and its target do not share a vocabulary."""
+
+
+class InvalidArgumentError(SpecdecError, ValueError):
+    """A generation argument is out of its valid range."""
+
+
+class ContextLengthError(SpecdecError):
+    """Prompt plus requested tokens exceed the model's context window."""
+
+
+class CacheRollbackError(SpecdecError):
+    """The model's KV cache cannot be rolled back, so speculation would be unsafe."""
+
+
+class PromptFileError(SpecdecError):
+    """A prompts file is missing or has a malformed line."""

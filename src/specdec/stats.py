@@ -1,0 +1,120 @@
+"""Statistics every generation returns; benchmarks only read them.
+
+Names follow the serving engines where they overlap: ``mean_accepted_length`` (tau, bonus token
+included) is vLLM's "mean acceptance length" and SGLang's ``avg_spec_accept_length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Stats:
+    drafter: str = "none"
+    draft_schedule: str = "constant"
+    batch_size: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0          # batched target passes, prefill included
+    verify_steps: int = 0             # row-steps: one row verified once
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    drafts_evaluated: int = 0         # drafts the acceptance rule looked at (up to the first rejection)
+    tokens_from_steps: int = 0        # sum over row-steps of accepted drafts + 1
+    k_sum: int = 0                    # sum over row-steps of drafts proposed, for the mean k
+    proposed_at: list[int] = field(default_factory=list)   # [j] row-steps proposing >= j+1 drafts
+    accepted_at: list[int] = field(default_factory=list)   # [j] row-steps accepting >= j+1 drafts
+    accepted_histogram: list[int] = field(default_factory=list)  # [a] row-steps accepting exactly a
+    k_history: list[int] = field(default_factory=list)     # k used at each batched step
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    def record_step(self, k: int, proposed: torch.Tensor, accepted: torch.Tensor) -> None:
+        """proposed, accepted: [B] drafts per live row in one verification step."""
+        rows = proposed.shape[0]
+        self.k_history.append(k)
+        self.verify_steps += rows
+        proposed_sum, accepted_sum = int(proposed.sum()), int(accepted.sum())
+        self.drafts_proposed += proposed_sum
+        self.k_sum += proposed_sum
+        self.drafts_accepted += accepted_sum
+        self.drafts_evaluated += accepted_sum + int((accepted < proposed).sum())
+        self.tokens_from_steps += accepted_sum + rows
+        width = max(k, 1)
+        slots = torch.arange(1, width + 1, device=proposed.device)
+        _grow(self.proposed_at, width)
+        _grow(self.accepted_at, width)
+        _grow(self.accepted_histogram, width + 1)
+        for j, (p, a) in enumerate(zip((proposed[:, None] >= slots).sum(0).tolist(),
+                                       (accepted[:, None] >= slots).sum(0).tolist())):
+            self.proposed_at[j] += p
+            self.accepted_at[j] += a
+        for a, count in enumerate(torch.bincount(accepted, minlength=width + 1).tolist()):
+            self.accepted_histogram[a] += count
+
+    # Derived numbers -------------------------------------------------------------------------
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens committed per row per target verification, bonus included."""
+        return self.tokens_from_steps / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed drafts (vLLM's draft acceptance rate)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-draft acceptance probability: accepted over drafts evaluated before a rejection."""
+        return self.drafts_accepted / self.drafts_evaluated if self.drafts_evaluated else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return self.k_sum / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def predicted_mean_accepted_length(self) -> float:
+        """(1 - alpha^(k+1)) / (1 - alpha) at the mean k, if drafts were accepted independently."""
+        alpha, k = self.alpha, self.mean_k
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of drafts at position j accepted, among row-steps proposing a j-th draft."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        for name in ("mean_accepted_length", "acceptance_rate", "alpha", "mean_k",
+                     "predicted_mean_accepted_length", "acceptance_by_position", "tokens_per_second"):
+            data[name] = getattr(self, name)
+        return data
+
+    def summary(self) -> str:
+        lines = [
+            f"drafter {self.drafter} ({self.draft_schedule} k, mean k {self.mean_k:.2f}), batch {self.batch_size}",
+            f"new tokens {self.new_tokens}, target forwards {self.target_forwards}, "
+            f"{self.tokens_per_second:.1f} tokens/s",
+            f"tau {self.mean_accepted_length:.3f} (predicted from alpha {self.predicted_mean_accepted_length:.3f}), "
+            f"alpha {self.alpha:.3f}, acceptance rate {self.acceptance_rate:.3f} "
+            f"({self.drafts_accepted}/{self.drafts_proposed})",
+            "acceptance by position " + " ".join(f"{r:.2f}" for r in self.acceptance_by_position),
+            "accepted-length histogram " + " ".join(str(c) for c in self.accepted_histogram),
+            f"time: prefill {self.prefill_time:.3f}s, draft {self.draft_time:.3f}s, "
+            f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s",
+        ]
+        return "\n".join(lines)
+
+
+def _grow(values: list[int], size: int) -> None:
+    values.extend([0] * (size - len(values)))
