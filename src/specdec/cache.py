@@ -18,7 +18,10 @@ from . import hf
 class KVCache:
     """A HF DynamicCache plus per-row validity and lengths. One rollback primitive: ``truncate``."""
 
-    def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu", max_positions: int | None = None):
+        # Drafts past a row's budget are computed (the batch shares one shape) but never kept;
+        # clamping their positions keeps models with learned position tables in range.
+        self.max_position = (max_positions or 2**62) - 1
         self.hf_cache = hf.new_cache()
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, T]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)   # [B] live tokens per row
@@ -36,7 +39,7 @@ class KVCache:
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
         positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [B, n]
-        positions = positions.clamp_min(0)
+        positions = positions.clamp(0, self.max_position)
         self.valid = torch.cat([self.valid, valid], dim=1)
         self.lengths = self.lengths + valid.long().sum(1)
         logits, hidden = hf.forward(model, tokens, self.valid.long(), positions, self.hf_cache,

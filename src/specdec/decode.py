@@ -14,7 +14,6 @@ import torch
 
 from . import hf
 from .batch import Sequences
-from .cache import KVCache
 from .drafters.base import DecodeContext, Drafter, Proposal
 from .drafters.none import NoDraft
 from .errors import ContextLengthError, InvalidArgumentError
@@ -105,10 +104,10 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     session = drafter.start(context, seqs)
 
     # Prefill: the whole prompt, left-padded; its last logits give the first new token.
-    cache = KVCache(batch, device=device)
+    cache = target.new_cache(batch)
     tick = time.perf_counter()
     tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
-    logits, _ = cache.forward(target.model, tokens, valid, logits_to_keep=1)
+    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=1)
     first = logits[:, -1].argmax(-1) if config.sampling.greedy else sample(
         probabilities(logits[:, -1], config.sampling), generator)
     stats.target_forwards += 1
@@ -159,14 +158,14 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     return _finish(target, outputs, stats, started)
 
 
-def _verify(target: Target, cache: KVCache, seqs: Sequences, proposal: Proposal,
+def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
             sampling: SamplingConfig, generator: torch.Generator):
     """One target pass over [pending, drafts]; returns (num_accepted [B], next_token [B])."""
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]
-    logits, _ = cache.forward(target.model, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
     if sampling.greedy:
         return verify_greedy(logits, proposal.tokens, proposal.lengths)
     return verify_sampling(probabilities(logits, sampling), proposal.tokens, proposal.lengths,

@@ -7,18 +7,34 @@ that depends on those details lives here, so a future API change is mended in on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from .errors import CacheRollbackError, ModelLoadError
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence transformers' per-file progress bars and warnings (loading is instant for our sizes)."""
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -36,13 +52,12 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if not any((path / name).is_file() for name in _WEIGHT_FILES):
         raise ModelLoadError(f"no weights (model.safetensors) in {path}")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     attn_implementation="sdpa")
+        with quiet():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                         attn_implementation="sdpa")
     except Exception as exc:  # transformers raises many kinds; the user needs one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load causal LM from {path}: {first}") from None
-    del config
     return model.to(device).eval()
 
 

@@ -53,6 +53,21 @@ class Target:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         return int(pad)
 
+    def new_cache(self, batch_size: int):
+        from .cache import KVCache
+        return KVCache(batch_size, device=self.device, max_positions=self.max_positions)
+
+    def forward(self, cache, tokens: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 1,
+                hidden_layers: tuple[int, ...] = ()):
+        """Run a block [B, n] through the model on top of ``cache``.
+
+        Returns logits [B, logits_to_keep, V] and, when ``hidden_layers`` is given, hidden states
+        [B, n, len(hidden_layers), H]; index 0 is the embedding output, i the output of layer i.
+        """
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        return cache.forward(self.model, tokens, valid, logits_to_keep, hidden_layers)
+
     def encode(self, prompts) -> list[list[int]]:
         """Prompts as token ids: each prompt is a string (needs a tokenizer) or a list of ints."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

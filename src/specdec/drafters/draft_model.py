@@ -49,7 +49,7 @@ class DraftModel:
     def start(self, context: DecodeContext, seqs: Sequences) -> "DraftModelSession":
         self.check_compatible(context.target)
         window = hf.max_positions(self.model.config)
-        needed = int(seqs.lengths.max()) + context.max_new_tokens + context.max_draft_tokens
+        needed = int(seqs.lengths.max()) + context.max_new_tokens
         if window is not None and needed > window:
             raise ContextLengthError(
                 f"the draft model's context window is {window} tokens, this generation needs up to {needed}")
@@ -63,7 +63,8 @@ class DraftModelSession:
         self.generator = context.generator
         self.pad = context.target.pad_token_id
         self.target_vocab = target_vocab
-        self.cache = KVCache(batch_size, device=context.target.device)
+        self.cache = KVCache(batch_size, device=context.target.device,
+                             max_positions=hf.max_positions(model.config))
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""

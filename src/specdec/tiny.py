@@ -1,0 +1,77 @@
+"""Tiny random-weight models with a real tokenizer, built offline: for tests and self-checks.
+
+They say nothing about acceptance rates (see the zoo for trained models) but exercise every code
+path of loading, caching and verification on several architectures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json.decoder
+import textwrap
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from .hf import quiet
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few standard-library modules: deterministic for a Python version."""
+    texts = [inspect.getsource(module) for module in (argparse, dataclasses, json.decoder, textwrap)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD)
+
+
+def build_model(architecture: str, vocab_size: int, eos_token_id: int, pad_token_id: int, layers: int = 2,
+                hidden: int = 64, max_positions: int = 256, seed: int = 0, init_std: float = 0.02):
+    """A random causal LM of the given family; init_std > 0.02 makes its greedy choices clear-cut."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                  bos_token_id=eos_token_id, initializer_range=init_std)
+    llama_like = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False, **common)
+    if architecture == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**llama_like))
+    elif architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**llama_like))
+    elif architecture == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **llama_like))
+    elif architecture == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **llama_like))
+    elif architecture == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_positions,
+                                           **common))
+    else:
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = pad_token_id
+    return model.eval()
+
+
+def save_tiny(directory: str | Path, architecture: str = "llama", tokenizer: PreTrainedTokenizerFast | None = None,
+              **model_options) -> Path:
+    """Write a tiny model and its tokenizer to directory, in the Hugging Face layout."""
+    directory = Path(directory)
+    tokenizer = tokenizer or build_tokenizer()
+    model = build_model(architecture, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                        **model_options)
+    with quiet():
+        model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,32 @@
+"""Tiny random models of several architectures, built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.target import load_target
+from specdec.tiny import ARCHITECTURES, build_tokenizer, save_tiny
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    """Target (2 layers) and a differently seeded draft (1 layer) per architecture, plus a GPT-2 draft."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for arch in ARCHITECTURES:
+        dirs[arch] = save_tiny(root / arch, arch, tokenizer, init_std=0.15)
+        dirs[f"{arch}-draft"] = save_tiny(root / f"{arch}-draft", arch, tokenizer, layers=1, seed=7, init_std=0.15)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def targets(model_dirs):
+    return {arch: load_target(model_dirs[arch]) for arch in ARCHITECTURES}

@@ -1,0 +1,92 @@
+"""The per-row cache: rollback, compaction and row selection keep every row's computation exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, MistralConfig
+
+import specdec
+from specdec import hf
+from specdec.errors import CacheRollbackError, ContextLengthError
+from specdec.target import Target
+from specdec.tiny import build_model
+
+
+def full_logits(target, rows):
+    """Reference: each row alone, no cache. rows: list of token lists -> list of [len, V]."""
+    with torch.no_grad():
+        return [target.model(torch.tensor([r])).logits[0] for r in rows]
+
+
+def test_holes_rollback_and_compaction_are_exact(targets):
+    target = targets["llama"]
+    torch.manual_seed(0)
+    rows = [torch.randint(0, target.vocab_size, (n,)).tolist() for n in (9, 4, 6)]
+    cache = target.new_cache(3)
+    # Prefill ragged rows (left-padded), then append blocks whose tails are rejected per row.
+    width = max(map(len, rows))
+    tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    target.forward(cache, tokens, valid)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(12):
+        block = torch.randint(0, target.vocab_size, (3, 5), generator=generator)
+        keep = torch.randint(1, 6, (3,), generator=generator)
+        logits, _ = target.forward(cache, block, logits_to_keep=5)
+        for b in range(3):
+            expected = full_logits(target, [rows[b] + block[b].tolist()])[0][-5:]
+            assert torch.allclose(logits[b], expected, atol=1e-4), (step, b)
+        cache.truncate(cache.lengths - 5 + keep)
+        for b in range(3):
+            rows[b] += block[b, : keep[b]].tolist()
+        if step % 3 == 2:
+            cache.compact(slack=0.0, minimum=0)
+            assert cache.columns == max(map(len, rows))
+        assert cache.lengths.tolist() == [len(r) for r in rows]
+    cache.select_rows(torch.tensor([2, 0]))
+    logits, _ = target.forward(cache, torch.tensor([[5], [6]]))
+    expected = full_logits(target, [rows[2] + [5], rows[0] + [6]])
+    assert torch.allclose(logits[0, -1], expected[0][-1], atol=1e-4)
+    assert torch.allclose(logits[1, -1], expected[1][-1], atol=1e-4)
+
+
+def test_memory_stays_bounded_under_ragged_acceptance(targets):
+    target = targets["gpt2"]
+    cache = target.new_cache(4)
+    target.forward(cache, torch.ones(4, 3, dtype=torch.long))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        target.forward(cache, torch.ones(4, 5, dtype=torch.long), logits_to_keep=1)
+        keep = torch.randint(1, 6, (4,), generator=generator)
+        keep[0] = 1  # one row always rejects everything
+        cache.truncate(cache.lengths - 5 + keep)
+        cache.compact()
+        longest = int(cache.lengths.max())
+        assert cache.columns <= longest + max(32, longest // 2)
+
+
+def test_hidden_states_of_chosen_layers(targets):
+    target = targets["qwen3"]
+    tokens = torch.tensor([[3, 4, 5, 6]])
+    _, hidden = target.forward(target.new_cache(1), tokens, hidden_layers=(0, 1, 2))
+    with torch.no_grad():
+        reference = target.model(tokens, output_hidden_states=True).hidden_states
+    assert hidden.shape == (1, 4, 3, target.config.hidden_size)
+    for i in range(3):
+        assert torch.allclose(hidden[:, :, i], reference[i], atol=1e-5)
+
+
+def test_caches_that_cannot_roll_back_are_refused():
+    config = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(CacheRollbackError):
+        hf.check_rollback(DynamicCache(config=config))
+
+
+def test_sliding_window_models_are_refused_past_the_window(tokenizer):
+    model = build_model("mistral", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model.config.sliding_window = 16
+    target = Target(model, tokenizer)
+    with pytest.raises(ContextLengthError, match="sliding"):
+        specdec.generate(target, [[1, 2, 3]], max_new_tokens=20)

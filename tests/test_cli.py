@@ -1,0 +1,131 @@
+"""The command line: results on good input, one line and exit status 2 on every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli import main
+from specdec.tiny import build_tokenizer, save_tiny
+
+
+@pytest.fixture(scope="module")
+def other_vocab_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("other") / "m", "llama", build_tokenizer(vocab_size=300))
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_generate_text_and_json(capsys, model_dirs, tmp_path):
+    code, out, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "def f(x):",
+                         "--max-new-tokens", 8)
+    assert code == 0 and out.strip() and "tau" in err
+    output = tmp_path / "result.json"
+    code, out, _ = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "def f(x):", "--json",
+                       "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+                       model_dirs["llama-draft"], "--speculative-num-draft-tokens", 3, "--max-new-tokens", 8,
+                       "--output", output)
+    result = json.loads(out)
+    assert code == 0 and result["stats"]["drafter"] == "draft-model"
+    assert len(result["outputs"][0]["token_ids"]) <= 8
+    assert json.loads(output.read_text()) == result
+
+
+def test_generate_from_jsonl_batch(capsys, model_dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os"}\n\n"x = 1"\n{"prompt_ids": [5, 6, 7]}\n')
+    code, out, _ = run(capsys, "generate", "--target", model_dirs["qwen2"], "--prompts", prompts, "--json",
+                       "--drafter", "prompt-lookup", "--max-new-tokens", 5, "--temperature", 0.8, "--top-k", 20)
+    assert code == 0
+    assert len(json.loads(out)["outputs"]) == 3
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["-k", "0"], ["k must be >= 1"]),
+    (["--max-new-tokens", "-1"], ["max_new_tokens"]),
+    (["--temperature", "-0.5"], ["temperature"]),
+    (["--top-p", "0"], ["top_p"]),
+    (["--top-p", "1.5"], ["top_p"]),
+    (["--top-k", "0"], ["top_k"]),
+    (["--max-new-tokens", "300"], ["context window"]),
+    (["--drafter", "draft-model"], ["--draft"]),
+    (["--dtype", "int3"], ["dtype"]),
+])
+def test_bad_generation_arguments(capsys, model_dirs, tmp_path, extra, needles):
+    output = tmp_path / "never.json"
+    code, out, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "x = 1",
+                         "--output", output, *extra)
+    assert_one_line_error(code, err, *needles)
+    assert not output.exists() and not list(tmp_path.iterdir())
+
+
+def test_missing_and_invalid_model_directories(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", tmp_path / "nope", "--prompt", "x")
+    assert_one_line_error(code, err, "not found")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    code, _, err = run(capsys, "generate", "--target", broken, "--prompt", "x")
+    assert_one_line_error(code, err, "config.json")
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "llama"}')
+    code, _, err = run(capsys, "generate", "--target", empty, "--prompt", "x")
+    assert_one_line_error(code, err, "weights")
+
+
+def test_draft_vocabulary_must_match(capsys, model_dirs, other_vocab_dir):
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--drafter", "draft-model",
+                       "--draft", other_vocab_dir, "--prompt", "x = 1")
+    assert_one_line_error(code, err, "vocabulary")
+
+
+def test_empty_prompts(capsys, model_dirs, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "")
+    assert_one_line_error(code, err, "empty")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompts", prompts)
+    assert_one_line_error(code, err, "line 2", "empty")
+
+
+@pytest.mark.parametrize("content,line", [('{"prompt": "a"}\n{"prompt": \n', 2), ('"a"\n"b"\n[1, 2]\n', 3),
+                                          ('{"prompt": "a"}\n{"other": 1}\n', 2),
+                                          ('{"prompt_ids": [1, "x"]}\n', 1)])
+def test_malformed_jsonl_names_the_line(capsys, model_dirs, tmp_path, content, line):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompts", prompts)
+    assert_one_line_error(code, err, f"line {line}")
+
+
+def test_missing_prompts_file_and_unknown_drafter(capsys, model_dirs, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompts", tmp_path / "none.jsonl")
+    assert_one_line_error(code, err, "not found")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", str(model_dirs["llama"]), "--prompt", "x", "--drafter", "medusa-x"])
+    assert exit_info.value.code == 2
+    assert_one_line_error(2, capsys.readouterr().err, "unknown drafter")
+
+
+def test_installed_command_prints_no_traceback(model_dirs):
+    result = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", str(model_dirs["llama"]),
+                             "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["specdec: error: top_p must be in (0, 1], got 2.0"]

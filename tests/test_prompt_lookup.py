@@ -1,0 +1,32 @@
+import torch
+
+from specdec.drafters.prompt_lookup import lookup
+
+
+def t(values):
+    return torch.tensor(values)
+
+
+def test_longest_ngram_wins_over_more_recent_shorter_match():
+    # tail (1, 2, 3): the 3-gram occurs at 0 (followed by 9); the 1-gram 3 also occurs later followed by 7.
+    tokens = t([1, 2, 3, 9, 8, 3, 7, 5, 1, 2, 3])
+    assert lookup(tokens, max_ngram=3, min_ngram=1, k=2).tolist() == [9, 8]
+
+
+def test_most_recent_occurrence_is_used():
+    tokens = t([4, 5, 1, 4, 6, 2, 4])
+    assert lookup(tokens, max_ngram=1, min_ngram=1, k=2).tolist() == [6, 2]
+
+
+def test_falls_back_to_shorter_ngrams_and_respects_min_ngram():
+    tokens = t([7, 3, 8, 1, 3])
+    assert lookup(tokens, max_ngram=3, min_ngram=1, k=3).tolist() == [8, 1, 3]
+    assert lookup(tokens, max_ngram=3, min_ngram=2, k=3).tolist() == []
+
+
+def test_continuation_may_be_shorter_than_k_and_never_matches_itself():
+    tokens = t([1, 2, 1, 2])
+    # tail (1, 2) matches at 0, followed by 1, 2 (which overlaps the tail itself)
+    assert lookup(tokens, max_ngram=2, min_ngram=1, k=5).tolist() == [1, 2]
+    assert lookup(t([5]), max_ngram=3, min_ngram=1, k=4).tolist() == []
+    assert lookup(t([1, 2, 3]), max_ngram=3, min_ngram=1, k=4).tolist() == []

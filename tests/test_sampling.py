@@ -1,0 +1,147 @@
+"""Speculative sampling must reproduce the target's warped distribution exactly (statistical tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+import specdec
+from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.sampling import SamplingConfig, probabilities, warp_logits
+from specdec.verify import verify_sampling
+
+P_VALUE = 1e-3  # fixed seeds make every test deterministic; a real bias gives p-values far below this
+
+
+def chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of samples (ints) under probs, pooling cells with small expectation."""
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    assert counts[expected == 0].sum() == 0, "a sample fell outside the target's support"
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return float(chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
+                                                     (0.9, 8, 0.9), (2.0, 1, None)])
+def test_warping_matches_transformers(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[0, :10] = 1.5  # ties at the top-k threshold
+    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p is not None:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    ours = warp_logits(logits, SamplingConfig(temperature, top_k, top_p))
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    assert torch.allclose(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
+
+
+# Pure-function tests: the chain rule's output tokens follow the target at each position ---------------
+V = 8
+TARGET = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.03, 0.0],
+                       [0.05, 0.05, 0.10, 0.40, 0.0, 0.0, 0.20, 0.20],
+                       [0.125] * 8])  # [k+1, V], k = 2
+
+
+def draft_cases():
+    uniform = torch.full((2, V), 1.0 / V)
+    disjoint = torch.zeros(2, V)
+    disjoint[0, 7] = 1.0  # the target gives token 7 no mass at position 0
+    disjoint[1, 4:6] = 0.5  # nor tokens 4, 5 at position 1
+    skewed = torch.softmax(torch.tensor([[3.0, 0, 0, 0, 0, 0, 0, 2.0], [0, 0, 0, 0, 2.0, 0, 1.0, 0]]), -1)
+    disjoint_second = torch.stack([TARGET[0], disjoint[1]])
+    return {"equal": TARGET[:2].clone(), "uniform": uniform, "disjoint": disjoint, "skewed": skewed,
+            "disjoint-second": disjoint_second}
+
+
+def run_chain(draft, n=40000, seed=0, one_hot_tokens=None):
+    generator = torch.Generator().manual_seed(seed)
+    target = TARGET.expand(n, -1, -1)
+    if one_hot_tokens is None:
+        tokens = torch.stack([torch.multinomial(draft[j], n, replacement=True, generator=generator)
+                              for j in range(2)], dim=1)  # [n, 2]
+        draft_probs = draft.expand(n, -1, -1)
+    else:
+        tokens, draft_probs = one_hot_tokens.expand(n, -1), None
+    accepted, nxt = verify_sampling(target, tokens, torch.full((n,), 2), draft_probs, generator)
+    emitted = torch.cat([tokens, nxt[:, None]], dim=1)
+    emitted.scatter_(1, accepted[:, None], nxt[:, None])
+    return accepted, emitted
+
+
+@pytest.mark.parametrize("case", ["equal", "uniform", "disjoint", "skewed", "disjoint-second"])
+def test_chain_output_follows_target_at_each_position(case):
+    accepted, emitted = run_chain(draft_cases()[case])
+    assert chi_square_p(emitted[:, 0], TARGET[0]) > P_VALUE
+    if case == "disjoint":  # nothing is ever accepted: every token comes from the residual
+        assert bool((accepted == 0).all())
+        return
+    assert chi_square_p(emitted[accepted >= 1, 1], TARGET[1]) > P_VALUE
+    if case == "equal":
+        assert bool((accepted == 2).all())
+    if case == "disjoint-second":
+        assert bool((accepted == 1).all())
+
+
+def test_chain_with_point_mass_drafts_follows_target():
+    accepted, emitted = run_chain(None, one_hot_tokens=torch.tensor([1, 3]))
+    assert chi_square_p(emitted[:, 0], TARGET[0]) > P_VALUE
+    assert chi_square_p(emitted[accepted >= 1, 1], TARGET[1]) > P_VALUE
+
+
+def test_the_chi_square_check_has_power():
+    """Keeping drafts without the rejection step must be caught: the tests above can fail."""
+    draft = draft_cases()["skewed"]
+    tokens = torch.multinomial(draft[0], 40000, replacement=True, generator=torch.Generator().manual_seed(0))
+    assert chi_square_p(tokens, TARGET[0] + 1e-9) < 1e-6
+
+
+# End to end: specdec.generate on a tiny model, batches of identical prompts ----------------------------
+def exact_two_token_distribution(target, prompt, config: SamplingConfig) -> torch.Tensor:
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) under the warped target, as a flat [V*V] vector."""
+    vocab = target.vocab_size
+    with torch.no_grad():
+        first = probabilities(target.model(torch.tensor([prompt])).logits[0, -1], config)
+        support = first.nonzero().squeeze(1)
+        rows = torch.tensor([prompt + [t] for t in support.tolist()])
+        second = probabilities(target.model(rows).logits[:, -1], config)
+    joint = torch.zeros(vocab, vocab)
+    joint[support] = first[support, None] * second
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("drafter_kind,temperature,top_k,top_p", [
+    ("none", 1.0, 6, None),
+    ("draft", 1.0, 6, None),
+    ("draft", 0.8, None, 0.7),
+    ("self", 1.2, 5, 0.95),
+    ("lookup", 1.0, 4, None),
+])
+def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, model_dirs):
+    target = targets["llama"]
+    target.eos_token_ids = ()
+    prompt = target.encode(["x = x + 1\nx = x"])[0]
+    config = SamplingConfig(temperature, top_k, top_p)
+    exact = exact_two_token_distribution(target, prompt, config)
+    drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"]), "self": DraftModel(target.model),
+               "lookup": PromptLookup(max_ngram=2)}[drafter_kind]
+    samples = []
+    for seed in range(3):
+        out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        samples += [a * target.vocab_size + b for a, b in out.token_ids]
+    assert chi_square_p(torch.tensor(samples), exact) > P_VALUE
+    again = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    assert again.token_ids == same_seed.token_ids

@@ -1,0 +1,70 @@
+"""Acceptance rules on hand-made tensors: no model involved."""
+
+import torch
+
+from specdec.verify import verify_greedy, verify_sampling
+
+
+def one_hot_logits(tokens, vocab=6):
+    """Logits whose argmax at position j is tokens[j]. tokens: [B, k+1] -> [B, k+1, V]."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float() * 5.0
+
+
+def test_greedy_accepts_matching_prefix_then_corrects():
+    logits = one_hot_logits([[1, 2, 3, 4]])
+    accepted, nxt = verify_greedy(logits, torch.tensor([[1, 2, 5]]), torch.tensor([3]))
+    assert accepted.tolist() == [2] and nxt.tolist() == [3]
+
+
+def test_greedy_bonus_after_full_acceptance():
+    logits = one_hot_logits([[1, 2, 3, 4]])
+    accepted, nxt = verify_greedy(logits, torch.tensor([[1, 2, 3]]), torch.tensor([3]))
+    assert accepted.tolist() == [3] and nxt.tolist() == [4]
+
+
+def test_greedy_rejects_first_and_respects_row_lengths():
+    logits = one_hot_logits([[1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 0, 0]])
+    drafts = torch.tensor([[0, 2, 3], [1, 2, 3], [0, 0, 0]])
+    accepted, nxt = verify_greedy(logits, drafts, torch.tensor([3, 1, 0]))
+    # row 0 mismatches at once; row 1 proposed one draft (slots past it never count); row 2 proposed none.
+    assert accepted.tolist() == [0, 1, 0]
+    assert nxt.tolist() == [1, 2, 0]
+
+
+def test_greedy_match_after_mismatch_is_not_accepted():
+    logits = one_hot_logits([[1, 2, 3, 4]])
+    accepted, nxt = verify_greedy(logits, torch.tensor([[1, 0, 3]]), torch.tensor([3]))
+    assert accepted.tolist() == [1] and nxt.tolist() == [2]
+
+
+def test_sampling_point_masses_behave_like_greedy():
+    target = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 4]]), 6).float()
+    accepted, nxt = verify_sampling(target, torch.tensor([[1, 2, 5]]), torch.tensor([3]), None,
+                                    torch.Generator().manual_seed(0))
+    assert accepted.tolist() == [2] and nxt.tolist() == [3]
+
+
+def test_sampling_never_accepts_a_token_the_target_excludes():
+    target = torch.tensor([[[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]]])
+    draft = torch.tensor([[[1.0, 0.0, 0.0]]])
+    for seed in range(20):
+        accepted, nxt = verify_sampling(target, torch.tensor([[0]]), torch.tensor([1]), draft,
+                                        torch.Generator().manual_seed(seed))
+        assert accepted.item() == 0 and nxt.item() in (1, 2)
+
+
+def test_sampling_always_accepts_when_draft_equals_target_and_draws_bonus():
+    probs = torch.tensor([[[0.25, 0.75], [0.5, 0.5], [0.0, 1.0]]])
+    accepted, nxt = verify_sampling(probs, torch.tensor([[1, 0]]), torch.tensor([2]), probs[:, :2],
+                                    torch.Generator().manual_seed(3))
+    assert accepted.item() == 2 and nxt.item() == 1
+
+
+def test_sampling_is_reproducible_for_a_seed():
+    torch.manual_seed(0)
+    target = torch.softmax(torch.randn(4, 4, 10), -1)
+    draft = torch.softmax(torch.randn(4, 3, 10), -1)
+    drafts = torch.multinomial(draft.reshape(-1, 10), 1).reshape(4, 3)
+    runs = [verify_sampling(target, drafts, torch.full((4,), 3), draft, torch.Generator().manual_seed(5))
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
