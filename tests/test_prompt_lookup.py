@@ -24,9 +24,11 @@ def test_falls_back_to_shorter_ngrams_and_respects_min_ngram():
     assert lookup(tokens, max_ngram=3, min_ngram=2, k=3).tolist() == []
 
 
-def test_continuation_may_be_shorter_than_k_and_never_matches_itself():
+def test_overlapping_continuation_extends_the_period_and_never_matches_itself():
     tokens = t([1, 2, 1, 2])
-    # tail (1, 2) matches at 0, followed by 1, 2 (which overlaps the tail itself)
-    assert lookup(tokens, max_ngram=2, min_ngram=1, k=5).tolist() == [1, 2]
+    # tail (1, 2) matches at 0, followed by 1, 2 (the tail itself); the pattern repeats with period 2
+    assert lookup(tokens, max_ngram=2, min_ngram=1, k=5).tolist() == [1, 2, 1, 2, 1]
+    # period 3: tail (5,) last occurred 3 tokens back, followed by 6, 7, then the tail 5 again
+    assert lookup(t([9, 5, 6, 7, 5]), max_ngram=1, min_ngram=1, k=7).tolist() == [6, 7, 5, 6, 7, 5, 6]
     assert lookup(t([5]), max_ngram=3, min_ngram=1, k=4).tolist() == []
     assert lookup(t([1, 2, 3]), max_ngram=3, min_ngram=1, k=4).tolist() == []

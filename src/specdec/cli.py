@@ -41,6 +41,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
                         help="draft model directory (for --drafter draft-model)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
     parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
     parser.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram tried (default 1)")
 
@@ -154,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:
+            if args.threads < 1:
+                raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
+            import torch
+            torch.set_num_threads(args.threads)
         return int(args.func(args) or 0)
     except SpecdecError as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)

@@ -75,3 +75,41 @@ def save_tiny(directory: str | Path, architecture: str = "llama", tokenizer: Pre
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def save_bench_pair(directory: str | Path, layers: int = 12, hidden: int = 512, vocab_size: int = 8192,
+                    max_positions: int = 2048) -> tuple[Path, Path]:
+    """A ~70M-parameter random Llama and a 1-layer draft cut from it (its first layer, embedding,
+    final norm and head), for timing the decode loop where a forward pass is not trivially cheap.
+
+    Random weights say nothing about real acceptance rates; the early-exit draft only makes them
+    non-zero. Returns (target dir, draft dir).
+    """
+    directory = Path(directory)
+    tokenizer = build_tokenizer(vocab_size)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=False)
+    target = LlamaForCausalLM(config).eval()
+    draft = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})).eval()
+    draft.load_state_dict({name: value for name, value in target.state_dict().items()
+                           if not name.startswith("model.layers.") or name.startswith("model.layers.0.")})
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        with quiet():
+            model.save_pretrained(directory / name)
+        tokenizer.save_pretrained(directory / name)
+        paths.append(directory / name)
+    return paths[0], paths[1]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m specdec.tiny OUT_DIR   (writes OUT_DIR/target and OUT_DIR/draft)")
+    for path in save_bench_pair(sys.argv[1]):
+        print(path)

@@ -1,7 +1,10 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the context's tail.
 
-Tries the longest n-gram first (max_ngram down to min_ngram) over prompt and generated text. It has
-no distribution, so verification treats each draft as a point mass.
+Tries the longest n-gram first (max_ngram down to min_ngram) over prompt and generated text. When
+the continuation runs into the end of the context (the most recent match of a repeating pattern
+overlaps the tail), it keeps copying with the same offset through the tokens it has just proposed,
+so a repeating pattern yields a full k drafts. It has no distribution, so verification treats each
+draft as a point mass.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from .base import DecodeContext, Proposal, StatelessSession
 
 
 def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torch.Tensor:
-    """Up to k tokens that followed the latest earlier match of the longest matching tail n-gram.
+    """k tokens that followed the latest earlier match of the longest matching tail n-gram.
 
-    tokens: [L] long, the whole context. Returns [<= k] long (empty when nothing matches).
+    tokens: [L] long, the whole context. Returns [k] long, or [0] when nothing matches.
     """
     length = tokens.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -27,7 +30,11 @@ def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torc
         hits = (windows == tail).all(1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return tokens[start: start + k]
+            found = tokens[start: start + k]
+            if found.shape[0] < k:  # periodic: draft j repeats the token `period` places before it
+                period = length - start
+                found = tokens[start:].repeat(k // period + 1)[:k]
+            return found
     return tokens[:0]
 
 

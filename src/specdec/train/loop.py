@@ -223,7 +223,7 @@ def run_loop(
             value = float(loss.detach())
             smooth_loss = value if smooth_loss is None else 0.9 * smooth_loss + 0.1 * value
             bar.update(1)
-            bar.set_postfix(loss=f"{smooth_loss:.3f}", tok_s=f"{n_tokens / max(elapsed, 1e-9):.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            bar.set_postfix(loss=f"{smooth_loss:.3f}", tok_s=f"{n_tokens / max(elapsed, 1e-9):.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", refresh=False)
             record: dict[str, float] = {"step": step, "loss": value, "lr": scheduler.get_last_lr()[0]}
             if step % config.eval_every == 0 or step == config.steps:
                 metrics = eval_fn(model)

@@ -36,10 +36,10 @@ class ModelShape:
     """Llama architecture knobs that matter at this scale."""
 
     layers: int = 8
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 4
-    intermediate: int = 704
+    hidden: int = 192
+    heads: int = 3
+    kv_heads: int = 3
+    intermediate: int = 512
     tie_embeddings: bool = True
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
@@ -50,11 +50,11 @@ class TargetConfig:
     """Everything that determines a target training run (stored in checkpoints)."""
 
     shape: ModelShape = field(default_factory=ModelShape)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=1400, lr=2e-3, warmup_steps=60))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=1200, lr=2.5e-3, warmup_steps=60, eval_every=100, ckpt_every_steps=100))
     seq_len: int = 512
-    batch_size: int = 16
+    batch_size: int = 8
     long_seq_len: int = 2048
-    long_fraction: float = 0.08
+    long_fraction: float = 0.1
     eval_windows: int = 48
     seed: int = 0
 
@@ -134,6 +134,13 @@ def build_model(shape: ModelShape, vocab_size: int, special: dict[str, int], see
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(llama_config)
+
+
+def round_to_export_dtype_(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Round weights in place to the export dtype (kept in float32), so reported losses are the shipped model's."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(dtype).to(param.dtype))
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -257,6 +264,7 @@ def train_target(
         desc="target",
         log=log,
     )
+    round_to_export_dtype_(model)
     val_loss = evaluate_lm(model, val)
     summary = {
         "kind": "target",

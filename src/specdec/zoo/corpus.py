@@ -21,6 +21,7 @@ kept: they are ordinary hand-written Python.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -74,6 +75,16 @@ def _included(root: Path, path: Path) -> bool:
     return text is not None and not _is_generated(text)
 
 
+@functools.lru_cache(maxsize=4)
+def _classified(root: Path) -> dict[str, tuple[Path, ...]]:
+    """Every included file of ``root`` by split; cached because the stdlib does not change."""
+    table: dict[str, list[Path]] = {name: [] for name in SPLITS}
+    for path in sorted(root.rglob("*.py")):
+        if path.is_file() and _included(root, path):
+            table[split_of(path.relative_to(root).as_posix())].append(path)
+    return {name: tuple(paths) for name, paths in table.items()}
+
+
 def list_split(split: str, root: Path | None = None) -> list[Path]:
     """Sorted absolute paths of the corpus files in ``split``."""
     if split not in SPLITS:
@@ -81,13 +92,7 @@ def list_split(split: str, root: Path | None = None) -> list[Path]:
     root = stdlib_root() if root is None else Path(root).resolve()
     if not root.is_dir():
         raise CorpusError(f"standard library directory not found: {root}")
-    paths = []
-    for path in sorted(root.rglob("*.py")):
-        if not path.is_file():
-            continue
-        if split_of(path.relative_to(root).as_posix()) == split and _included(root, path):
-            paths.append(path)
-    return paths
+    return list(_classified(root)[split])
 
 
 def read_split(split: str, root: Path | None = None) -> list[str]:
