@@ -134,12 +134,17 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     exact = exact_two_token_distribution(target, prompt, config)
     drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"]), "self": DraftModel(target.model),
                "lookup": PromptLookup(max_ngram=2)}[drafter_kind]
-    samples = []
+    samples, neighbours = [], []
     for seed in range(3):
         out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         samples += [a * target.vocab_size + b for a, b in out.token_ids]
+        firsts = [ids[0] for ids in out.token_ids]
+        neighbours += [a * target.vocab_size + b for a, b in zip(firsts[0::2], firsts[1::2])]
     assert chi_square_p(torch.tensor(samples), exact) > P_VALUE
+    # Rows of one batch are independent draws: neighbouring rows' first tokens follow p x p.
+    first = exact.reshape(target.vocab_size, target.vocab_size).sum(1)
+    assert chi_square_p(torch.tensor(neighbours), torch.outer(first, first).flatten()) > P_VALUE
     again = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
     same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
