@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from .errors import CacheRollbackError, ModelLoadError
@@ -104,15 +104,52 @@ def eos_token_ids(model) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
-def new_cache() -> DynamicCache:
-    """A cache whose every layer is a plain, croppable DynamicLayer (no sliding, no offloading)."""
-    return DynamicCache()
+class BufferedLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views into a buffer with spare columns.
+
+    transformers' DynamicLayer concatenates, copying the whole cache at every step; here a step
+    copies only its new columns, and the buffer doubles when full. Anything that replaces
+    ``keys``/``values`` by other tensors (row selection, compaction) just starts a new buffer.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer = self.value_buffer = None
+
+    def _in_buffer(self, total: int) -> bool:
+        buffer = self.key_buffer
+        return (buffer is not None and buffer.shape[2] >= total and buffer.shape[0] == self.keys.shape[0]
+                and (self.keys.numel() == 0 or self.keys.data_ptr() == buffer.data_ptr())
+                and (self.values.numel() == 0 or self.values.data_ptr() == self.value_buffer.data_ptr()))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.keys.shape[-2] if self.keys.numel() else 0
+        total = old + key_states.shape[-2]
+        if not self._in_buffer(total):
+            capacity = max(2 * total, 64)
+            self.key_buffer = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
+            self.value_buffer = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
+            if old:
+                self.key_buffer[:, :, :old] = self.keys
+                self.value_buffer[:, :, :old] = self.values
+        self.key_buffer[:, :, old:total] = key_states
+        self.value_buffer[:, :, old:total] = value_states
+        self.keys = self.key_buffer[:, :, :total]
+        self.values = self.value_buffer[:, :, :total]
+        return self.keys, self.values
+
+
+def new_cache() -> Cache:
+    """A cache whose every layer is a plain full-attention BufferedLayer (no sliding, no offloading)."""
+    return Cache(layer_class_to_replicate=BufferedLayer)
 
 
 def check_rollback(cache: DynamicCache) -> None:
     """Refuse caches whose layers drop or transform tokens: rolling them back would be wrong."""
     for index, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, BufferedLayer):
             raise CacheRollbackError(
                 f"cache layer {index} is a {type(layer).__name__}, which cannot be rolled back per row; "
                 "speculative decoding needs full-attention KV caches")
