@@ -137,8 +137,9 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         tick = time.perf_counter()
         num_accepted, next_token = _verify(target, cache, seqs, proposal, config.sampling, generator)
         # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
-        cache.truncate(cache.lengths - proposal.lengths + num_accepted)
-        cache.compact()
+        if proposal.k:
+            cache.truncate(cache.lengths - proposal.lengths + num_accepted)
+            cache.compact()
         new_tokens = torch.cat([proposal.tokens, next_token[:, None]], dim=1)
         new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
         counts = _stop_counts(new_tokens, num_accepted + 1, eos)
@@ -181,6 +182,7 @@ def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tens
 
 
 def _finish(target: Target, outputs: list[list[int]], stats: Stats, started: float) -> GenerationOutput:
+    stats.finalize()
     stats.new_tokens = sum(len(o) for o in outputs)
     stats.total_time = time.perf_counter() - started
     texts = None if target.tokenizer is None else [target.decode(o) for o in outputs]

@@ -32,29 +32,36 @@ class Stats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
+    _steps: list = field(default_factory=list, repr=False)  # (proposed [B], accepted [B]) per step
 
     def record_step(self, k: int, proposed: torch.Tensor, accepted: torch.Tensor) -> None:
-        """proposed, accepted: [B] drafts per live row in one verification step."""
-        rows = proposed.shape[0]
+        """proposed, accepted: [B] drafts per live row in one verification step (tallied in finalize)."""
         self.k_history.append(k)
-        self.verify_steps += rows
-        proposed_sum, accepted_sum = int(proposed.sum()), int(accepted.sum())
-        self.drafts_proposed += proposed_sum
-        self.k_sum += proposed_sum
-        self.drafts_accepted += accepted_sum
-        self.drafts_evaluated += accepted_sum + int((accepted < proposed).sum())
-        self.tokens_from_steps += accepted_sum + rows
-        width = max(k, 1)
+        self._steps.append((proposed, accepted))
+
+    def finalize(self) -> None:
+        """Fold the recorded steps into the counters: one pass at the end, nothing in the decode loop."""
+        if not self._steps:
+            return
+        proposed = torch.cat([p for p, _ in self._steps])  # [row-steps]
+        accepted = torch.cat([a for _, a in self._steps])
+        self._steps = []
+        width = max(max(self.k_history), 1)
         slots = torch.arange(1, width + 1, device=proposed.device)
-        _grow(self.proposed_at, width)
-        _grow(self.accepted_at, width)
-        _grow(self.accepted_histogram, width + 1)
-        for j, (p, a) in enumerate(zip((proposed[:, None] >= slots).sum(0).tolist(),
-                                       (accepted[:, None] >= slots).sum(0).tolist())):
-            self.proposed_at[j] += p
-            self.accepted_at[j] += a
-        for a, count in enumerate(torch.bincount(accepted, minlength=width + 1).tolist()):
-            self.accepted_histogram[a] += count
+        rows = proposed.shape[0]
+        self.verify_steps += rows
+        self.drafts_proposed += int(proposed.sum())
+        self.k_sum += int(proposed.sum())
+        self.drafts_accepted += int(accepted.sum())
+        self.drafts_evaluated += int(accepted.sum()) + int((accepted < proposed).sum())
+        self.tokens_from_steps += int(accepted.sum()) + rows
+        for name, counts in (("proposed_at", (proposed[:, None] >= slots).sum(0)),
+                             ("accepted_at", (accepted[:, None] >= slots).sum(0)),
+                             ("accepted_histogram", torch.bincount(accepted, minlength=width + 1))):
+            totals = getattr(self, name)
+            totals.extend([0] * (len(counts) - len(totals)))
+            for j, count in enumerate(counts.tolist()):
+                totals[j] += count
 
     # Derived numbers -------------------------------------------------------------------------
     @property
@@ -95,6 +102,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         data = asdict(self)
+        del data["_steps"]
         for name in ("mean_accepted_length", "acceptance_rate", "alpha", "mean_k",
                      "predicted_mean_accepted_length", "acceptance_by_position", "tokens_per_second"):
             data[name] = getattr(self, name)
@@ -114,7 +122,3 @@ class Stats:
             f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s",
         ]
         return "\n".join(lines)
-
-
-def _grow(values: list[int], size: int) -> None:
-    values.extend([0] * (size - len(values)))
