@@ -8,7 +8,8 @@ def test_bench_compares_specdec_and_transformers(targets, model_dirs):
     target = targets["llama"]
     target.eos_token_ids = (target.tokenizer.eos_token_id,)
     prompts = target.encode(["x = x + 1\nx = x + 1\n", "def f(a):\n    return a\n"])
-    result = run_bench(target, prompts, draft=DraftModel(model_dirs["llama-draft"]), ks=[2, 4],
+    # A second copy of the target as draft: every draft is accepted, so tau tells the k each method used.
+    result = run_bench(target, prompts, draft=DraftModel(model_dirs["llama"]), ks=[2, 4],
                        max_new_tokens=12, batch_sizes=[1, 2], progress=False)
     assert result["outputs_identical"], result["mismatches"]
     labels = [row["method"] for row in result["rows"]]
@@ -22,4 +23,7 @@ def test_bench_compares_specdec_and_transformers(targets, model_dirs):
     assert rows["specdec draft-model k=4 batch=2"]["ratio_vs_batch_1"] is not None
     assert rows["transformers plain"]["tau"] == 1.0
     assert all(row["new_tokens"] > 0 for row in result["rows"])
+    for impl in ("specdec", "transformers"):
+        assert rows[f"{impl} draft-model k=2"]["tau"] < rows[f"{impl} draft-model k=4"]["tau"]
+        assert rows[f"{impl} draft-model k=4"]["tau"] > 3.5
     assert "all greedy outputs identical" in format_table(result)

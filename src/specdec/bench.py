@@ -83,10 +83,6 @@ def transformers_method(target: Target, family: str, draft_model, k: int | None,
                         max_ngram: int, counter: ForwardCounter):
     extra = {}
     if family == DRAFT_MODEL:
-        # The same drafting rule as specdec's: k drafts every step, no confidence-based early stop.
-        draft_model.generation_config.num_assistant_tokens = k
-        draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-        draft_model.generation_config.assistant_confidence_threshold = 0.0
         extra = {"assistant_model": draft_model}
     elif family == PROMPT_LOOKUP:
         extra = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
@@ -94,6 +90,12 @@ def transformers_method(target: Target, family: str, draft_model, k: int | None,
 
     def run(prompts):
         (prompt,) = prompts
+        if family == DRAFT_MODEL:
+            # transformers reads these from the assistant's config, shared by every k: set them per run.
+            # The same drafting rule as specdec's: k drafts every step, no confidence-based early stop.
+            draft_model.generation_config.num_assistant_tokens = k
+            draft_model.generation_config.num_assistant_tokens_schedule = "constant"
+            draft_model.generation_config.assistant_confidence_threshold = 0.0
         ids = torch.tensor([prompt], device=target.device)
         before = counter.count
         with torch.inference_mode():
