@@ -201,6 +201,7 @@ def export_model(model: torch.nn.Module, tokenizer_dir: Path, out_dir: Path, sum
                 shutil.copyfile(source, tmp / name)
         (tmp / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         for item in tmp.iterdir():
+            os.chmod(item, 0o644)  # some writers create 0600 files; the zoo is meant to be shared
             os.replace(item, out_dir / item.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

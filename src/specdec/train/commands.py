@@ -1,0 +1,169 @@
+"""argparse wiring for ``specdec train ...`` and ``specdec zoo ...``.
+
+``add_commands(subparsers)`` is called by ``specdec.cli``; ``main`` lets the
+same commands run as ``python -m specdec.train.commands`` before or without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specdec.errors import SpecdecError
+
+
+def _common_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="folder for the exported model (created if needed)")
+    parser.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint folder (default: OUT/checkpoints)")
+    parser.add_argument("--config", default=None, help="JSON file overriding the preset (same structure as the summary's config)")
+    parser.add_argument("--preset", default=None, help="named configuration: zoo (default) or tiny")
+    parser.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides the config)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for initialisation and data order")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop cleanly, checkpoint and export after this wall time")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the checkpoint folder")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+
+
+def _apply_overrides(config, args):
+    from dataclasses import replace
+
+    if args.steps is not None:
+        if args.steps <= 0:
+            raise SpecdecError(f"--steps must be positive, got {args.steps}")
+        config = replace(config, optim=replace(config.optim, steps=args.steps))
+    if args.seed is not None:
+        config = replace(config, seed=args.seed)
+    return config
+
+
+def _check_resume_options(args) -> None:
+    if args.resume and any(v is not None for v in (args.config, args.preset, args.steps, args.seed)):
+        raise SpecdecError("--resume takes the configuration from the checkpoint; drop --config/--preset/--steps/--seed")
+
+
+def _set_threads(threads: int) -> None:
+    if threads < 1:
+        raise SpecdecError(f"--threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def cmd_train_target(args) -> int:
+    from specdec.train import target
+    from specdec.zoo import default_tokenizer_dir
+
+    _check_resume_options(args)
+    _set_threads(args.threads)
+    config = _apply_overrides(target.load_config(args.config, args.preset or "zoo"), args)
+    tokenizer_dir = args.tokenizer
+    if tokenizer_dir is None and (default_tokenizer_dir() / "tokenizer.json").is_file():
+        tokenizer_dir = default_tokenizer_dir()
+    tokenizer_dir = target.ensure_tokenizer(tokenizer_dir, Path(args.out) / "tokenizer-work", print)
+    summary = target.train_target(
+        config, args.out, tokenizer_dir, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
+def cmd_train_distill(args) -> int:
+    from specdec.train import distill
+
+    _check_resume_options(args)
+    _set_threads(args.threads)
+    config = _apply_overrides(distill.load_config(args.config, args.preset or "zoo"), args)
+    summary = distill.train_distill(
+        config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
+def cmd_zoo_build(args) -> int:
+    from specdec.zoo import build
+
+    _set_threads(args.threads)
+    summary = build.build_zoo(
+        args.out, work_dir=args.work_dir, target_minutes=args.target_minutes, distill_minutes=args.distill_minutes,
+        preset=args.preset, resume=args.resume,
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_zoo_tokenizer(args) -> int:
+    from specdec.zoo import corpus, default_tokenizer_dir
+    from specdec.zoo import tokenizer as zoo_tokenizer
+
+    out = args.out if args.out is not None else default_tokenizer_dir()
+    if args.vocab_size < 256 + len(zoo_tokenizer.SPECIAL_TOKENS):
+        raise SpecdecError(f"--vocab-size must be at least {256 + len(zoo_tokenizer.SPECIAL_TOKENS)}, got {args.vocab_size}")
+    zoo_tokenizer.save_tokenizer(zoo_tokenizer.train_tokenizer(corpus.read_split("train"), args.vocab_size), out)
+    print(f"tokenizer written to {out}")
+    return 0
+
+
+def cmd_zoo_tasks(args) -> int:
+    from specdec.zoo import tasks
+
+    written = tasks.write_task_sets(args.out, args.tokenizer)
+    for name, count in written.items():
+        print(f"{name}: {count} prompts")
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Register ``train {target,distill}`` and ``zoo {build,tokenizer,tasks}``."""
+    train = subparsers.add_parser("train", help="train zoo models")
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+
+    p = train_sub.add_parser("target", help="pre-train a target Llama on the stdlib corpus")
+    _common_run_options(p)
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the zoo's, else train one)")
+    p.set_defaults(func=cmd_train_target)
+
+    p = train_sub.add_parser("distill", help="distil a 1-layer draft from a frozen target")
+    _common_run_options(p)
+    p.add_argument("--target", required=True, type=Path, help="exported target model folder")
+    p.set_defaults(func=cmd_train_distill)
+
+    zoo = subparsers.add_parser("zoo", help="build the model zoo")
+    zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
+    p = zoo_sub.add_parser("build", help="rebuild tokenizer, target, draft and task sets from scratch")
+    p.add_argument("--out", type=Path, default=None, help="zoo folder (default: the package's zoo/data)")
+    p.add_argument("--work-dir", type=Path, default=Path("runs/zoo-build"), help="checkpoints and logs (default runs/zoo-build)")
+    p.add_argument("--target-minutes", type=float, default=None, help="wall-time cap for target training")
+    p.add_argument("--distill-minutes", type=float, default=None, help="wall-time cap for distillation")
+    p.add_argument("--preset", default="zoo", help="zoo (default) or tiny (a quick smoke build)")
+    p.add_argument("--resume", action="store_true", help="resume interrupted training stages from the work dir")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.set_defaults(func=cmd_zoo_build)
+
+    p = zoo_sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the corpus train split")
+    p.add_argument("--out", type=Path, default=None, help="tokenizer folder (default: the package's zoo/data/tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size including special tokens (default 4096)")
+    p.set_defaults(func=cmd_zoo_tokenizer)
+
+    p = zoo_sub.add_parser("tasks", help="rebuild the task sets from the corpus test split")
+    p.add_argument("--out", type=Path, default=None, help="folder for the .jsonl files (default: zoo/data/tasks)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the zoo's)")
+    p.set_defaults(func=cmd_zoo_tasks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m specdec.train.commands train target ...``."""
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecdecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

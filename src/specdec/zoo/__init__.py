@@ -1,0 +1,38 @@
+"""The model zoo: a tokenizer, a target, a distilled draft and task sets, all built offline.
+
+``zoo_path("target")`` / ``zoo_path("draft")`` give folders that load with
+``transformers.AutoModelForCausalLM.from_pretrained``. See docs/zoo.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+MODEL_NAMES = ("target", "draft")
+_DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+class ZooError(SpecdecError):
+    """A zoo model or file is unknown or has not been built."""
+
+
+def data_dir() -> Path:
+    """The package's zoo folder (``src/specdec/zoo/data``)."""
+    return _DATA_DIR
+
+
+def default_tokenizer_dir() -> Path:
+    """Where ``specdec zoo build`` puts the shared tokenizer."""
+    return _DATA_DIR / "tokenizer"
+
+
+def zoo_path(name: str) -> Path:
+    """Folder of the zoo model ``name`` ("target" or "draft"); raises ZooError if unknown or missing."""
+    if name not in MODEL_NAMES:
+        raise ZooError(f"unknown zoo model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
+    path = _DATA_DIR / name
+    if not (path / "config.json").is_file():
+        raise ZooError(f"zoo model {name!r} is not built ({path} has no config.json); run `specdec zoo build`")
+    return path

@@ -1,0 +1,24 @@
+"""``specdec zoo build --preset tiny`` runs every stage end to end into a temp folder."""
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.train.commands import main
+from specdec.zoo import corpus, tasks
+
+
+def test_tiny_build_produces_a_complete_zoo(tmp_path, capsys, monkeypatch):
+    torch.set_num_threads(1)
+    full_read = corpus.read_split
+    monkeypatch.setattr(corpus, "read_split", lambda split, root=None: full_read(split, root)[:12])  # keep it quick
+    out, work = tmp_path / "zoo", tmp_path / "work"
+    assert main(["zoo", "build", "--preset", "tiny", "--out", str(out), "--work-dir", str(work)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["draft_parameters"] < summary["target_parameters"]
+    for name in ("target", "draft"):
+        AutoModelForCausalLM.from_pretrained(out / name)
+        assert not (out / name / "checkpoints").exists()
+    for name in tasks.TASK_NAMES:
+        assert len(tasks.load_tasks(name, out / "tasks")) >= 50
