@@ -6,7 +6,10 @@ import torch
 
 
 class Sequences:
-    """Prompt plus generated tokens per row, right-padded. tokens: [B, capacity], lengths: [B]."""
+    """Prompt plus generated tokens per row. tokens: [B, capacity], lengths: [B].
+
+    The capacity must exceed the longest row by the widest block ever appended (k + 1 columns).
+    """
 
     def __init__(self, prompts: list[list[int]], capacity: int, pad_token_id: int,
                  device: torch.device | str = "cpu"):
@@ -20,13 +23,13 @@ class Sequences:
         return self.tokens.shape[0]
 
     def append(self, new_tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append the first counts[b] entries of new_tokens[b] (new_tokens: [B, n], counts: [B])."""
-        n = new_tokens.shape[1]
-        columns = self.lengths[:, None] + torch.arange(n, device=new_tokens.device)  # [B, n]
-        keep = torch.arange(n, device=new_tokens.device) < counts[:, None]
-        columns = torch.where(keep, columns, self.tokens.shape[1] - 1)
-        current = self.tokens.gather(1, columns)
-        self.tokens.scatter_(1, columns, torch.where(keep, new_tokens, current))
+        """Append the first counts[b] entries of new_tokens[b] (new_tokens: [B, n], counts: [B]).
+
+        All n columns are written (the capacity has room for them); entries past a row's length
+        are never read and get overwritten by the next append.
+        """
+        columns = self.lengths[:, None] + torch.arange(new_tokens.shape[1], device=new_tokens.device)
+        self.tokens.scatter_(1, columns, new_tokens)
         self.lengths = self.lengths + counts
 
     def window(self, starts: torch.Tensor, stops: torch.Tensor, pad_token_id: int):

@@ -38,11 +38,11 @@ class KVCache:
         tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
-        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [B, n]
-        positions = positions.clamp(0, self.max_position)
+        rank = valid.cumsum(1)  # [B, n] live tokens up to and including each column
+        positions = (self.lengths[:, None] + rank - 1).clamp_(0, self.max_position)
         self.valid = torch.cat([self.valid, valid], dim=1)
-        self.lengths = self.lengths + valid.long().sum(1)
-        logits, hidden = hf.forward(model, tokens, self.valid.long(), positions, self.hf_cache,
+        self.lengths = self.lengths + rank[:, -1]
+        logits, hidden = hf.forward(model, tokens, self.valid, positions, self.hf_cache,
                                     logits_to_keep, hidden_layers)
         if not self._checked:
             hf.check_rollback(self.hf_cache)

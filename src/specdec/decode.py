@@ -95,7 +95,7 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         return _finish(target, outputs, stats, started)
 
     pad = target.pad_token_id
-    capacity = max(len(p) for p in prompts) + config.max_new_tokens + 1
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens + config.k_limit + 2
     seqs = Sequences(prompts, capacity, pad, device=device)
     prompt_lengths = seqs.lengths.clone()
     rows = torch.arange(batch, device=device)  # original index of each live row
@@ -113,12 +113,11 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     stats.target_forwards += 1
     stats.prefill_time = time.perf_counter() - tick
     seqs.append(first[:, None], torch.ones_like(seqs.lengths))
+    generated = torch.ones_like(seqs.lengths)
+    done = (generated >= config.max_new_tokens) | torch.isin(first, eos)
 
     k = config.num_draft_tokens
     while True:
-        generated = seqs.lengths - prompt_lengths
-        done = (generated >= config.max_new_tokens) | torch.isin(seqs.tokens.gather(
-            1, (seqs.lengths - 1)[:, None]).squeeze(1), eos)
         if bool(done.any()):
             for live, original in zip(done.nonzero().squeeze(1).tolist(), rows[done].tolist()):
                 outputs[original] = seqs.tokens[live, int(prompt_lengths[live]): int(seqs.lengths[live])].tolist()
@@ -126,6 +125,7 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
             if keep.numel() == 0:
                 break
             rows, prompt_lengths, generated = rows[keep], prompt_lengths[keep], generated[keep]
+            done = done[keep]
             seqs.select_rows(keep)
             cache.select_rows(keep)
             session.select_rows(keep)
@@ -142,9 +142,11 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
             cache.compact()
         new_tokens = torch.cat([proposal.tokens, next_token[:, None]], dim=1)
         new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-        counts = _stop_counts(new_tokens, num_accepted + 1, eos)
+        counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, eos)
         counts = torch.minimum(counts, config.max_new_tokens - generated)
         seqs.append(new_tokens, counts)
+        generated = generated + counts
+        done = hit_eos | (generated >= config.max_new_tokens)
         stats.target_forwards += 1
         stats.verify_time += time.perf_counter() - tick
 
@@ -173,12 +175,15 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
                            proposal.probs, generator)
 
 
-def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """Cut each row's new tokens right after its first EOS. new_tokens: [B, n]; counts: [B]."""
+def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):
+    """Cut each row's new tokens right after its first EOS. new_tokens: [B, n]; counts: [B].
+
+    Returns (counts [B], hit_eos [B] bool).
+    """
     slots = torch.arange(new_tokens.shape[1], device=new_tokens.device)
     is_eos = torch.isin(new_tokens, eos) & (slots[None, :] < counts[:, None])
     first = torch.where(is_eos, slots[None, :], new_tokens.shape[1]).min(1).values
-    return torch.minimum(counts, first + 1)
+    return torch.minimum(counts, first + 1), first < new_tokens.shape[1]
 
 
 def _finish(target: Target, outputs: list[list[int]], stats: Stats, started: float) -> GenerationOutput:

@@ -14,10 +14,9 @@ which makes the short distillation budget go much further.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,11 +25,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdec.errors import SpecdecError
+from specdec.train import config as train_config
 from specdec.train import data
-from specdec.train.loop import OptimConfig, load_latest_checkpoint, optim_from_dict, run_loop
+from specdec.train.config import LongPhase, config_to_dict
+from specdec.train.loop import OptimConfig, load_latest_checkpoint, run_loop
 from specdec.train.target import (
     ModelShape,
-    TrainConfigError,
     build_model,
     corpus_streams,
     count_parameters,
@@ -45,7 +45,7 @@ class DistillError(SpecdecError):
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(LongPhase):
     """Everything that determines a distillation run (stored in checkpoints)."""
 
     shape: ModelShape = field(default_factory=lambda: ModelShape(layers=1, hidden=192, heads=3, kv_heads=3, intermediate=512))
@@ -62,9 +62,6 @@ class DistillConfig:
     init_from_target: bool = True
     eval_windows: int = 32
     seed: int = 0
-
-    def long_start(self) -> int:
-        return self.optim.steps - int(round(self.optim.steps * self.long_fraction))
 
 
 PRESETS: dict[str, DistillConfig] = {
@@ -87,29 +84,12 @@ PRESETS: dict[str, DistillConfig] = {
 
 def config_from_dict(values: dict[str, Any]) -> DistillConfig:
     """DistillConfig from a (possibly partial) JSON object; unknown keys are errors."""
-    values = dict(values)
-    base = DistillConfig()
-    try:
-        shape = replace(base.shape, **values.pop("shape", {}))
-        optim = optim_from_dict({**asdict(base.optim), **values.pop("optim", {})})
-        return replace(base, shape=shape, optim=optim, **values)
-    except TypeError as exc:
-        raise TrainConfigError(f"invalid distillation configuration: {exc}") from exc
+    return train_config.config_from_dict(DistillConfig, values, "distillation")
 
 
 def load_config(path: str | None, preset: str = "zoo") -> DistillConfig:
     """A preset, optionally overridden by a JSON file of the same structure."""
-    if preset not in PRESETS:
-        raise TrainConfigError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    merged = asdict(PRESETS[preset])
-    if path is not None:
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise TrainConfigError(f"cannot read config {path}: {exc}") from exc
-        for key, value in values.items():
-            merged[key] = {**merged[key], **value} if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return config_from_dict(merged)
+    return train_config.load_config(DistillConfig, PRESETS, path, preset, "distillation")
 
 
 def load_frozen_target(target_dir: Path) -> torch.nn.Module:
@@ -235,8 +215,7 @@ def distill_batch_fn(config: DistillConfig, stream: torch.Tensor, generated: tor
     def batch_for(step: int) -> torch.Tensor:
         generator = data.step_generator(config.seed, step, salt=2)
         if step >= long_start:
-            size = max(1, config.batch_size * config.seq_len // config.long_seq_len)
-            return data.sample_windows(stream, size, config.long_seq_len, generator)  # [b, L]
+            return data.sample_windows(stream, config.long_batch_size(), config.long_seq_len, generator)  # [b, L]
         if step % 2 == 1 and generated.size(0) > 0:
             rows = torch.randint(0, generated.size(0), (gen_batch,), generator=generator)  # [b]
             return generated[rows]  # [b, P + G]
@@ -282,7 +261,7 @@ def train_distill(
             target_logits = target(input_ids=batch).logits  # [B, T, V]
         return kl_loss(model(input_ids=batch).logits, target_logits, config.temperature)
 
-    run_config = {"kind": "distill", "distill": asdict(config), "target": _target_fingerprint(target_dir)}
+    run_config = {"kind": "distill", "distill": config_to_dict(config), "target": _target_fingerprint(target_dir)}
     result = run_loop(
         model=student,
         config=config.optim,
@@ -303,16 +282,12 @@ def train_distill(
         "kind": "draft",
         "parameters": count_parameters(student),
         "target_parameters": count_parameters(target),
-        "steps": result.step,
-        "completed": result.completed,
-        "train_minutes": round(result.train_seconds / 60, 2),
-        "tokens_seen": result.tokens_seen,
-        "tokens_per_second": round(result.tokens_seen / max(result.train_seconds, 1e-9), 1),
+        **result.summary_fields(),
         "val_loss": round(final["val_loss"], 4),
         "target_val_loss": round(final["target_val_loss"], 4),
         "greedy_agreement": round(final["agreement"], 4),
         "val_tokens": int(val[:, 1:].numel()),
-        "config": asdict(config),
+        "config": config_to_dict(config),
     }
     export_model(student, target_dir, out_dir, summary)
     return summary

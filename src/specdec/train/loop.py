@@ -59,6 +59,16 @@ class LoopResult:
     tokens_seen: int
     history: list[dict[str, float]] = field(default_factory=list)
 
+    def summary_fields(self) -> dict[str, Any]:
+        """Steps, completion, time and throughput, as both trainers' summaries report them."""
+        return {
+            "steps": self.step,
+            "completed": self.completed,
+            "train_minutes": round(self.train_seconds / 60, 2),
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_second": round(self.tokens_seen / max(self.train_seconds, 1e-9), 1),
+        }
+
 
 def lr_factor(step: int, config: OptimConfig) -> float:
     """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``steps``."""

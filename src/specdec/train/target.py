@@ -13,22 +13,19 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.errors import SpecdecError
+from specdec.train import config as train_config
 from specdec.train import data
-from specdec.train.loop import LoopResult, OptimConfig, load_latest_checkpoint, list_checkpoints, optim_from_dict, run_loop
+from specdec.train.config import LongPhase, TrainConfigError, config_to_dict
+from specdec.train.loop import LoopResult, OptimConfig, load_latest_checkpoint, list_checkpoints, run_loop
 from specdec.zoo import corpus
 from specdec.zoo import tokenizer as zoo_tokenizer
-
-
-class TrainConfigError(SpecdecError):
-    """A training configuration file or option is invalid."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(LongPhase):
     """Everything that determines a target training run (stored in checkpoints)."""
 
     shape: ModelShape = field(default_factory=ModelShape)
@@ -57,13 +54,6 @@ class TargetConfig:
     long_fraction: float = 0.1
     eval_windows: int = 48
     seed: int = 0
-
-    def long_batch_size(self) -> int:
-        return max(1, self.batch_size * self.seq_len // self.long_seq_len)
-
-    def long_start(self) -> int:
-        """First step of the long-sequence phase."""
-        return self.optim.steps - int(round(self.optim.steps * self.long_fraction))
 
 
 PRESETS: dict[str, TargetConfig] = {
@@ -80,39 +70,14 @@ PRESETS: dict[str, TargetConfig] = {
 }
 
 
-def config_to_dict(config: TargetConfig) -> dict[str, Any]:
-    return asdict(config)
-
-
 def config_from_dict(values: dict[str, Any]) -> TargetConfig:
     """TargetConfig from a (possibly partial) JSON object; unknown keys are errors."""
-    values = dict(values)
-    base = TargetConfig()
-    try:
-        shape = replace(base.shape, **values.pop("shape", {}))
-        optim = optim_from_dict({**asdict(base.optim), **values.pop("optim", {})})
-        return replace(base, shape=shape, optim=optim, **values)
-    except TypeError as exc:
-        raise TrainConfigError(f"invalid training configuration: {exc}") from exc
+    return train_config.config_from_dict(TargetConfig, values, "training")
 
 
 def load_config(path: str | None, preset: str = "zoo") -> TargetConfig:
     """A preset, optionally overridden by a JSON file of the same structure."""
-    if preset not in PRESETS:
-        raise TrainConfigError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    if path is None:
-        return PRESETS[preset]
-    try:
-        values = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TrainConfigError(f"cannot read config {path}: {exc}") from exc
-    merged = config_to_dict(PRESETS[preset])
-    for key, value in values.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return config_from_dict(merged)
+    return train_config.load_config(TargetConfig, PRESETS, path, preset, "training")
 
 
 def build_model(shape: ModelShape, vocab_size: int, special: dict[str, int], seed: int) -> LlamaForCausalLM:
@@ -270,11 +235,7 @@ def train_target(
     summary = {
         "kind": "target",
         "parameters": count_parameters(model),
-        "steps": result.step,
-        "completed": result.completed,
-        "train_minutes": round(result.train_seconds / 60, 2),
-        "tokens_seen": result.tokens_seen,
-        "tokens_per_second": round(result.tokens_seen / max(result.train_seconds, 1e-9), 1),
+        **result.summary_fields(),
         "val_loss": round(val_loss, 4),
         "val_tokens": int(val[:, 1:].numel()),
         "config": config_to_dict(config),
