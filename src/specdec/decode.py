@@ -180,6 +180,9 @@ def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tens
 
     Returns (counts [B], hit_eos [B] bool).
     """
+    if new_tokens.shape[1] == 1:  # one token per row (plain decoding)
+        hit_eos = torch.isin(new_tokens[:, 0], eos)
+        return counts, hit_eos
     slots = torch.arange(new_tokens.shape[1], device=new_tokens.device)
     is_eos = torch.isin(new_tokens, eos) & (slots[None, :] < counts[:, None])
     first = torch.where(is_eos, slots[None, :], new_tokens.shape[1]).min(1).values

@@ -25,6 +25,8 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     draft_tokens: [B, k] long. draft_lengths: [B] long.
     """
     target_tokens = target_logits.argmax(-1)  # [B, k+1]
+    if draft_tokens.shape[1] == 0:  # nothing drafted: a plain decoding step
+        return torch.zeros_like(draft_lengths), target_tokens[:, 0]
     num_accepted = _accepted_prefix(draft_tokens == target_tokens[:, :-1], draft_lengths)
     next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
     return num_accepted, next_token
