@@ -174,10 +174,10 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.tau_steps += info.verify_steps
                 method.drafts_accepted += info.drafts_accepted
                 method.drafts_evaluated += info.drafts_evaluated
-            else:  # one prefill pass, then one verification pass per step
+            else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
-                method.tau_tokens += max(len(output) - 1, 0)
-                method.tau_steps += max(info - 1, 0)
+                method.tau_tokens += len(output)
+                method.tau_steps += info
             for offset, output in enumerate(outputs):
                 index = start + offset
                 if reference[index] is None:
