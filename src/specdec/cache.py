@@ -66,10 +66,6 @@ class KVCache:
         self.valid = self.valid.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
 
-    def holes(self) -> int:
-        """Columns that hold no live token, summed over rows."""
-        return int(self.valid.numel() - self.lengths.sum())
-
     def compact(self, slack: float = 0.5, minimum: int = 32) -> bool:
         """Right-align each row's live columns when holes exceed ``slack`` of the cache (or ``minimum``)."""
         longest = int(self.lengths.max()) if self.lengths.numel() else 0

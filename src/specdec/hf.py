@@ -162,10 +162,6 @@ def cache_tensors(cache: DynamicCache):
             yield layer, layer.keys, layer.values
 
 
-def cache_columns(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
 def slice_columns(cache: DynamicCache, start: int, stop: int) -> None:
     """Keep cache columns [start, stop) of every layer."""
     for layer, keys, values in cache_tensors(cache):
