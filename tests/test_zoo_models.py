@@ -55,7 +55,5 @@ def test_zoo_is_small():
 def test_loads_with_specdec(name):
     import specdec
 
-    if not hasattr(specdec, "load_target"):
-        pytest.skip("specdec.load_target is not available yet")
     loaded = specdec.load_target(_model_dir(name))
     assert loaded.vocab_size == json.loads((_model_dir(name) / "config.json").read_text())["vocab_size"]
