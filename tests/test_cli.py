@@ -75,6 +75,12 @@ def test_bad_generation_arguments(capsys, model_dirs, tmp_path, extra, needles):
     assert not output.exists() and not list(tmp_path.iterdir())
 
 
+def test_output_folder_must_exist_before_any_work(capsys, model_dirs, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "x",
+                       "--output", tmp_path / "missing" / "out.json")
+    assert_one_line_error(code, err, "output folder does not exist")
+
+
 def test_missing_and_invalid_model_directories(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--target", tmp_path / "nope", "--prompt", "x")
     assert_one_line_error(code, err, "not found")

@@ -267,8 +267,10 @@ def load_bench_prompts(args) -> list:
 
 
 def run_bench_command(args) -> int:
-    from .cli import make_drafter, write_atomic
+    from .cli import check_output_path, make_drafter, write_atomic
     from .target import load_target
+
+    check_output_path(args.output)
 
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")

@@ -117,6 +117,7 @@ def run_generate(args) -> int:
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     if args.drafter == "draft-model" and not args.draft:
         raise InvalidArgumentError("--drafter draft-model needs --draft DIR")
+    check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype)
     drafter = make_drafter(args.drafter, args)
     out = generate_ids(target, target.encode(prompts), drafter, config)
@@ -137,11 +138,16 @@ def run_generate(args) -> int:
     return 0
 
 
+def check_output_path(path: str | os.PathLike | None) -> None:
+    """Fail before any work when an output file could not be written."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise InvalidArgumentError(f"output folder does not exist: {Path(path).parent}")
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write text to path via a temporary file in the same folder, so readers never see half a file."""
+    check_output_path(path)
     path = Path(path)
-    if not path.parent.is_dir():
-        raise InvalidArgumentError(f"output folder does not exist: {path.parent}")
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
