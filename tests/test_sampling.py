@@ -150,3 +150,18 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
     assert again.token_ids == same_seed.token_ids
+
+
+def test_sampling_in_ragged_batches_runs_to_each_rows_own_end(targets, model_dirs):
+    """Rows of different lengths stop at their own EOS or limit while the others go on."""
+    target = targets["qwen2"]
+    target.eos_token_ids = (target.encode(["\n"])[0][0],)
+    prompts = target.encode(["def f(x):\n    return x\n", "import os", "x = 1\ny = 2\nz = 3\n", "class A:\n", "a"])
+    for drafter in (DraftModel(model_dirs["qwen2-draft"]), PromptLookup()):
+        runs = [specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=30,
+                                 temperature=0.9, top_p=0.95, seed=3) for _ in range(2)]
+        assert runs[0].token_ids == runs[1].token_ids
+        for ids in runs[0].token_ids:
+            assert 1 <= len(ids) <= 30
+            assert all(t not in target.eos_token_ids for t in ids[:-1])
+            assert len(ids) == 30 or ids[-1] in target.eos_token_ids
