@@ -93,9 +93,7 @@ def make_drafter(name: str, args):
     from . import drafters
     from .target import parse_dtype
 
-    if name == "draft-model":
-        if not args.draft:
-            raise InvalidArgumentError("--drafter draft-model needs --draft DIR")
+    if name == "draft-model":  # callers check that --draft was given before loading anything
         return drafters.DraftModel(args.draft, dtype=parse_dtype(args.dtype))
     if name == "prompt-lookup":
         return drafters.PromptLookup(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
