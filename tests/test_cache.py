@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import DynamicCache, MistralConfig
 
-import specdec
-from specdec import hf
-from specdec.errors import CacheRollbackError, ContextLengthError
-from specdec.target import Target
-from specdec.tiny import build_model
 
 
 def full_logits(target, rows):
@@ -75,18 +68,3 @@ def test_hidden_states_of_chosen_layers(targets):
     assert hidden.shape == (1, 4, 3, target.config.hidden_size)
     for i in range(3):
         assert torch.allclose(hidden[:, :, i], reference[i], atol=1e-5)
-
-
-def test_caches_that_cannot_roll_back_are_refused():
-    config = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(CacheRollbackError):
-        hf.check_rollback(DynamicCache(config=config))
-
-
-def test_sliding_window_models_are_refused_past_the_window(tokenizer):
-    model = build_model("mistral", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model.config.sliding_window = 16
-    target = Target(model, tokenizer)
-    with pytest.raises(ContextLengthError, match="sliding"):
-        specdec.generate(target, [[1, 2, 3]], max_new_tokens=20)

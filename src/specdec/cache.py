@@ -1,53 +1,95 @@
-"""KV cache with a length per row, so rows of a batch can accept different numbers of drafts.
+"""Per-row bookkeeping of a KV cache, so rows of a batch can accept different numbers of drafts.
 
-Layout: the HF cache holds ``T`` columns for every row; ``valid[b, t]`` says whether column ``t`` of
+Layout: the cache holds ``T`` columns for every row; ``valid[b, t]`` says whether column ``t`` of
 row ``b`` holds a live token. Rows are left-padded at prefill, and a rollback simply marks a row's
 rejected columns invalid (they become holes that attention masks out), then drops trailing columns
 that no row uses. Positions count live tokens only, so a row with holes computes exactly what it
 would compute alone. When holes pile up, ``compact`` gathers each row's live columns to the right
 and frees the rest, so memory stays proportional to the longest row.
+
+``RaggedCache`` owns that bookkeeping; a backend subclasses it with the storage of the keys and
+values and the forward pass (``hf.HFCache``, ``hf.RowwiseCache``, ``native.NativeCache``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import hf
+
+@dataclass(frozen=True)
+class Window:
+    """Which earlier tokens a layer kind attends to, in live-token positions."""
+
+    sliding: int | None = None  # a query at position p sees keys at positions > p - sliding
+    chunk: int | None = None    # a query sees keys of its own chunk (position // chunk) only
 
 
-class KVCache:
-    """A HF DynamicCache plus per-row validity and lengths. One rollback primitive: ``truncate``."""
+FULL = Window()
+
+
+class RaggedCache:
+    """Validity and lengths per row. One rollback primitive: ``truncate``."""
 
     def __init__(self, batch_size: int, device: torch.device | str = "cpu", max_positions: int | None = None):
         # Drafts past a row's budget are computed (the batch shares one shape) but never kept;
         # clamping their positions keeps models with learned position tables in range.
         self.max_position = (max_positions or 2**62) - 1
-        self.hf_cache = hf.new_cache()
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, T]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)   # [B] live tokens per row
-        self._checked = False
 
     @property
     def columns(self) -> int:
         return self.valid.shape[1]
 
-    def forward(self, model, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
-                hidden_layers: tuple[int, ...] = ()):
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 1,
+                hidden_layers: tuple[int, ...] = (), block_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """Append a block of columns and run the model on it.
 
         tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
+        block_mask: [B, n, n] bool, which new tokens each new token sees (None: causal).
+        positions: [B, n] explicit positions of the new tokens (None: live tokens counted in order).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
         rank = valid.cumsum(1)  # [B, n] live tokens up to and including each column
-        positions = (self.lengths[:, None] + rank - 1).clamp_(0, self.max_position)
+        if positions is None:
+            positions = self.lengths[:, None] + rank - 1
+        positions = positions.clamp(0, self.max_position)
+        past = self.columns
         self.valid = torch.cat([self.valid, valid], dim=1)
         self.lengths = self.lengths + rank[:, -1]
-        logits, hidden = hf.forward(model, tokens, self.valid, positions, self.hf_cache,
-                                    logits_to_keep, hidden_layers)
-        if not self._checked:
-            hf.check_rollback(self.hf_cache)
-            self._checked = True
-        return logits, hidden
+        return self._run(tokens, positions, past, logits_to_keep, hidden_layers, block_mask)
+
+    def visible(self, positions: torch.Tensor, past: int, block_mask: torch.Tensor | None,
+                window: Window = FULL) -> torch.Tensor:
+        """Which columns each new token attends to: [B, n, T] bool.
+
+        Key positions count live columns, so windows are measured in tokens, not columns, and a row
+        with holes sees exactly the keys it would see alone.
+        """
+        n = positions.shape[1]
+        new_valid = self.valid[:, past:]
+        if block_mask is None:
+            block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()[None]
+        seen = torch.cat([self.valid[:, None, :past].expand(-1, n, -1),
+                          block_mask & new_valid[:, None, :]], dim=2)  # [B, n, T]
+        if window.sliding is None and window.chunk is None:
+            return seen
+        key_positions = self.valid.cumsum(1) - 1  # [B, T]
+        if block_mask is not None:
+            key_positions = torch.cat([key_positions[:, :past], positions], dim=1)
+        query, key = positions[:, :, None], key_positions[:, None, :]
+        if window.sliding is not None:
+            seen = seen & (query - key < window.sliding)
+        if window.chunk is not None:
+            seen = seen & (query // window.chunk == key // window.chunk)
+        return seen
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Keep only the first ``lengths[b]`` live tokens of each row (lengths: [B])."""
@@ -57,14 +99,14 @@ class KVCache:
         used = self.valid.any(0).nonzero()
         stop = int(used[-1]) + 1 if used.numel() else 0
         if stop < self.columns:
-            hf.slice_columns(self.hf_cache, 0, stop)
             self.valid = self.valid[:, :stop]
+        self._truncated(stop)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (finished rows leave the batch)."""
-        hf.select_rows(self.hf_cache, index)
         self.valid = self.valid.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
+        self._select_rows(index)
 
     def compact(self, slack: float = 0.5, minimum: int = 32) -> bool:
         """Right-align each row's live columns when holes exceed ``slack`` of the cache (or ``minimum``)."""
@@ -73,6 +115,25 @@ class KVCache:
             return False
         # A stable sort on validity puts each row's holes first and its live columns after, in order.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.columns - longest:]
-        hf.gather_columns(self.hf_cache, order)
         self.valid = self.valid.gather(1, order)
+        self._gather_columns(order)
         return True
+
+    # Storage hooks of a backend.
+    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
+        raise NotImplementedError
+
+    def _truncated(self, stop: int) -> None:
+        """Columns from ``stop`` on are unused by every row (self.lengths is already updated)."""
+        raise NotImplementedError
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        """Column ``order[b, t]`` of row b becomes its column t. order: [B, T']."""
+        raise NotImplementedError
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hf
 from .batch import Sequences
 from .drafters.base import DecodeContext, Drafter, Proposal
 from .drafters.none import NoDraft
 from .errors import ContextLengthError, InvalidArgumentError
+from .processors import GenerationProcessors
 from .sampling import SamplingConfig, probabilities, sample
 from .stats import Stats
 from .target import Target
@@ -58,18 +58,13 @@ class GenerationOutput:
 
 
 def check_context(target: Target, prompts: list[list[int]], config: GenerationConfig) -> None:
-    """Refuse, before any work, generations that would run past the context or attention window."""
+    """Refuse, before any work, generations that would run past the context window."""
     longest = max(len(p) for p in prompts)
     window = target.max_positions
     if window is not None and longest + config.max_new_tokens > window:
         raise ContextLengthError(
             f"prompt ({longest} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds "
             f"the context window of {window} tokens")
-    sliding = hf.sliding_window(target.config)
-    if sliding is not None and longest + config.max_new_tokens + config.k_limit > sliding:
-        raise ContextLengthError(
-            f"this generation may exceed the model's sliding attention window of {sliding} tokens, "
-            "which speculative rollback does not support")
 
 
 def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int = 5,
@@ -89,7 +84,9 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     device = target.device
     batch = len(prompts)
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    stats = Stats(drafter=drafter.name, draft_schedule=config.draft_schedule, batch_size=batch)
+    processors = GenerationProcessors.for_target(target, prompts, config.max_new_tokens)
+    stats = Stats(drafter=drafter.name, draft_schedule=config.draft_schedule, batch_size=batch,
+                  backend=target.backend.description, logits_processors=processors.names if processors else [])
     outputs: list[list[int]] = [[] for _ in prompts]
     if config.max_new_tokens == 0:
         return _finish(target, outputs, stats, started)
@@ -108,6 +105,8 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     tick = time.perf_counter()
     tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
     logits, _ = target.forward(cache, tokens, valid, logits_to_keep=1)
+    if processors is not None:
+        logits = processors.apply(seqs, prompt_lengths, logits)
     first = logits[:, -1].argmax(-1) if config.sampling.greedy else sample(
         probabilities(logits[:, -1], config.sampling), generator)
     stats.target_forwards += 1
@@ -135,7 +134,9 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         stats.draft_time += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        num_accepted, next_token = _verify(target, cache, seqs, proposal, config.sampling, generator)
+        num_accepted, next_token = _verify(target, cache, seqs, proposal, config.sampling, generator,
+                                           processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg,
+                                                                                       proposal.tokens)))
         # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
         if proposal.k:
             cache.truncate(cache.lengths - proposal.lengths + num_accepted)
@@ -162,13 +163,15 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
 
 
 def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
-            sampling: SamplingConfig, generator: torch.Generator):
+            sampling: SamplingConfig, generator: torch.Generator, process=None):
     """One target pass over [pending, drafts]; returns (num_accepted [B], next_token [B])."""
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]
     logits, _ = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+    if process is not None:
+        logits = process(logits)
     if sampling.greedy:
         return verify_greedy(logits, proposal.tokens, proposal.lengths)
     return verify_sampling(probabilities(logits, sampling), proposal.tokens, proposal.lengths,

@@ -27,3 +27,7 @@ class CacheRollbackError(SpecdecError):
 
 class PromptFileError(SpecdecError):
     """A prompts file is missing or has a malformed line."""
+
+
+class UnsupportedModelError(CacheRollbackError):
+    """The model keeps state or masks attention in a way speculative rollback cannot reproduce."""

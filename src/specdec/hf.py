@@ -8,17 +8,24 @@ that depends on those details lives here, so a future API change is mended in on
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import json
 import os
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
-from .errors import CacheRollbackError, ModelLoadError
+from .cache import FULL, RaggedCache, Window
+from .errors import CacheRollbackError, ModelLoadError, UnsupportedModelError
 
+# Tried in this order; the first that loads runs (stats report which).
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 
@@ -51,14 +58,21 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise ModelLoadError(f"unreadable config.json in {path}: {exc}") from None
     if not any((path / name).is_file() for name in _WEIGHT_FILES):
         raise ModelLoadError(f"no weights (model.safetensors) in {path}")
-    try:
-        with quiet():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                         attn_implementation="sdpa")
-    except Exception as exc:  # transformers raises many kinds; the user needs one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load causal LM from {path}: {first}") from None
-    return model.to(device).eval()
+    failure = None
+    for implementation in ATTENTION_IMPLEMENTATIONS:
+        try:
+            with quiet():
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                             attn_implementation=implementation)
+            return model.to(device).eval()
+        except Exception as exc:  # transformers raises many kinds; the user needs one line
+            failure = failure or first_line(exc)
+    raise ModelLoadError(f"cannot load causal LM from {path}: {failure}")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -69,8 +83,7 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load tokenizer from {path}: {first}") from None
+        raise ModelLoadError(f"cannot load tokenizer from {path}: {first_line(exc)}") from None
 
 
 def max_positions(config) -> int | None:
@@ -79,15 +92,6 @@ def max_positions(config) -> int | None:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    return None
-
-
-def sliding_window(config) -> int | None:
-    """The attention window when any layer uses one; columns and positions differ under holes."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window and (layer_types is None or "sliding_attention" in layer_types):
-        return int(window)
     return None
 
 
@@ -103,6 +107,13 @@ def eos_token_ids(model) -> tuple[int, ...]:
         return ()
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
+
+def model_type(model) -> str:
+    return str(getattr(model.config, "model_type", None) or type(model).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage: a transformers Cache whose every layer is a plain full-attention buffer.
 
 class BufferedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values are views into a buffer with spare columns.
@@ -146,7 +157,7 @@ def new_cache() -> Cache:
     return Cache(layer_class_to_replicate=BufferedLayer)
 
 
-def check_rollback(cache: DynamicCache) -> None:
+def check_rollback(cache: Cache) -> None:
     """Refuse caches whose layers drop or transform tokens: rolling them back would be wrong."""
     for index, layer in enumerate(cache.layers):
         if type(layer) not in (DynamicLayer, BufferedLayer):
@@ -155,21 +166,21 @@ def check_rollback(cache: DynamicCache) -> None:
                 "speculative decoding needs full-attention KV caches")
 
 
-def cache_tensors(cache: DynamicCache):
+def cache_tensors(cache: Cache):
     """Yield (layer, keys, values) for every initialised layer; keys/values are [B, H, T, D]."""
     for layer in cache.layers:
         if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
             yield layer, layer.keys, layer.values
 
 
-def slice_columns(cache: DynamicCache, start: int, stop: int) -> None:
+def slice_columns(cache: Cache, start: int, stop: int) -> None:
     """Keep cache columns [start, stop) of every layer."""
     for layer, keys, values in cache_tensors(cache):
         layer.keys = keys[:, :, start:stop]
         layer.values = values[:, :, start:stop]
 
 
-def gather_columns(cache: DynamicCache, index: torch.Tensor) -> None:
+def gather_columns(cache: Cache, index: torch.Tensor) -> None:
     """Reorder columns per row: index [B, T'] holds, for each row, the source column of each new column."""
     def take(states: torch.Tensor) -> torch.Tensor:
         batch, heads, _, dim = states.shape
@@ -179,24 +190,320 @@ def gather_columns(cache: DynamicCache, index: torch.Tensor) -> None:
         layer.keys, layer.values = take(keys), take(values)
 
 
-def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+def select_rows(cache: Cache, index: torch.Tensor) -> None:
     for layer, keys, values in cache_tensors(cache):
         layer.keys = keys.index_select(0, index)
         layer.values = values.index_select(0, index)
 
 
+def cache_bytes(cache: Cache) -> int:
+    total = 0
+    for layer, keys, values in cache_tensors(cache):
+        buffers = (getattr(layer, "key_buffer", None), getattr(layer, "value_buffer", None))
+        total += sum(b.numel() * b.element_size() for b in buffers if b is not None) or (
+            keys.numel() * keys.element_size() + values.numel() * values.element_size())
+    return total
+
+
 @torch.inference_mode()
-def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-            cache: DynamicCache, logits_to_keep: int, hidden_layers: tuple[int, ...] = ()):
+def forward(model, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
+            cache: Cache, logits_to_keep: int, hidden_layers: tuple[int, ...] = ()):
     """One cached forward pass; returns (logits [B, logits_to_keep, V], hidden [B, n, len(layers), H] or None).
 
-    ``hidden_layers`` index HF's ``hidden_states`` tuple: 0 is the embedding output, i the output of
-    decoder layer i (1-based), the last entry is post final norm in Llama-style models.
+    ``attention_mask`` is a 2D padding mask [B, T], a 4D additive mask [B, 1, n, T], or a dict of
+    such masks by layer kind. ``hidden_layers`` index HF's ``hidden_states`` tuple: 0 is the
+    embedding output, i the output of decoder layer i (1-based).
     """
+    keep = {"logits_to_keep": logits_to_keep} if _takes(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                output_hidden_states=bool(hidden_layers))
+                cache=cache, use_cache=True, output_hidden_states=bool(hidden_layers), **keep)
+    logits = out.logits if keep or not logits_to_keep else out.logits[:, -logits_to_keep:]
     hidden = None
     if hidden_layers:
         hidden = torch.stack([out.hidden_states[i] for i in hidden_layers], dim=2)
-    return out.logits, hidden
+    return logits, hidden
+
+
+def _takes(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches of the transformers backend.
+
+class HFCache(RaggedCache):
+    """All rows in one transformers cache; holes and padding masked per row.
+
+    Full-attention models get a 2D padding mask and build their causal mask themselves. Models
+    with windows get a 4D mask (or one per layer kind) computed here from live-token positions.
+    """
+
+    def __init__(self, backend: "HFBackend", batch_size: int, device):
+        super().__init__(batch_size, device, max_positions(backend.model.config))
+        self.backend = backend
+        self.hf_cache = new_cache()
+
+    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
+        backend = self.backend
+        if block_mask is None and not backend.masks:
+            mask = self.valid
+        else:
+            kinds = backend.masks or {"full_attention": FULL}
+            dtype = backend.model.dtype
+            masks = {kind: additive(self.visible(positions, past, block_mask, window), dtype)
+                     for kind, window in kinds.items()}
+            mask = masks if backend.mask_by_kind else next(iter(masks.values()))
+        return forward(backend.model, tokens, mask, positions, self.hf_cache, logits_to_keep, hidden_layers)
+
+    def _truncated(self, stop: int) -> None:
+        if stop < self._stored():
+            slice_columns(self.hf_cache, 0, stop)
+
+    def _stored(self) -> int:
+        for _, keys, _ in cache_tensors(self.hf_cache):
+            return keys.shape[2]
+        return 0
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        select_rows(self.hf_cache, index)
+
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        gather_columns(self.hf_cache, order)
+
+    @property
+    def memory_bytes(self) -> int:
+        return cache_bytes(self.hf_cache)
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [B, n, T] visibility mask as the additive [B, 1, n, T] mask attention implementations take."""
+    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+
+
+class RowwiseCache(RaggedCache):
+    """One transformers cache per row, each holding exactly that row's live tokens, run row by row.
+
+    For models that place tokens by cache length or column (positions they compute themselves,
+    column-based windows): every row computes what it computes alone, by construction. Slower
+    than one batched pass, so used only where the batched path would not be exact.
+    """
+
+    def __init__(self, backend: "HFBackend", batch_size: int, device):
+        super().__init__(batch_size, device, max_positions(backend.model.config))
+        self.backend = backend
+        self.row_caches = [new_cache() for _ in range(batch_size)]
+
+    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
+        if block_mask is not None:
+            raise CacheRollbackError(
+                f"{model_type(self.backend.model)} runs row by row and cannot verify token trees")
+        new_valid = self.valid[:, past:]
+        batch, n = tokens.shape
+        logits_out = hidden_out = None
+        for row, columns in enumerate(new_valid.unbind(0)):
+            index = columns.nonzero().squeeze(1)
+            if index.numel() == 0:
+                continue
+            length = int(self.lengths[row])
+            row_tokens = tokens[row, index][None]
+            ones = torch.ones(1, length, dtype=torch.long, device=tokens.device)
+            logits, hidden = forward(self.backend.model, row_tokens, ones, positions[row, index][None],
+                                     self.row_caches[row], 0, hidden_layers)
+            if logits_out is None:
+                logits_out = logits.new_zeros(batch, n, logits.shape[-1])
+                if hidden is not None:
+                    hidden_out = hidden.new_zeros(batch, n, *hidden.shape[2:])
+            logits_out[row, index] = logits[0]
+            if hidden is not None:
+                hidden_out[row, index] = hidden[0]
+        return logits_out[:, n - logits_to_keep:], hidden_out
+
+    def _truncated(self, stop: int) -> None:
+        for row_cache, length in zip(self.row_caches, self.lengths.tolist()):
+            slice_columns(row_cache, 0, length)
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self.row_caches = [self.row_caches[i] for i in index.tolist()]
+
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        pass  # row caches hold no holes
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(cache_bytes(c) for c in self.row_caches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding, before generation, how (and whether) a model runs exactly.
+
+_RECURRENT_KINDS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "ssm", "recurrent",
+                    "rwkv", "linear", "xlstm"}
+_WINDOW_NAMES = ("window", "local_attention")
+
+
+@dataclass
+class HFBackend:
+    """How one transformers model runs on a ragged cache: batched with masks, or row by row."""
+
+    model: torch.nn.Module = field(repr=False)
+    mode: str = "batched"                         # "batched" | "rowwise"
+    masks: dict[str, Window] = field(default_factory=dict)  # kind -> window; empty: 2D padding mask
+    mask_by_kind: bool = False                    # the model takes a dict of masks by layer kind
+    reason: str = ""                              # why rowwise, when it is
+    name: str = "hf"
+
+    @property
+    def attention(self) -> str:
+        return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
+
+    @property
+    def description(self) -> str:
+        return f"hf/{self.attention}" + ("/rowwise" if self.mode == "rowwise" else "")
+
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> RaggedCache:
+        device = next(self.model.parameters()).device
+        cls = RowwiseCache if self.mode == "rowwise" else HFCache
+        return cls(self, batch_size, device)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, probe: bool = True) -> "HFBackend":
+        """Work out how to run ``model`` exactly, or raise UnsupportedModelError with the reason."""
+        name = model_type(model)
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        kinds = layer_kinds(model, name)
+        windows = {kind: _window(config, kind) for kind in dict.fromkeys(kinds) if kind != "dummy"}
+        foreign = foreign_windows(config)
+        candidates = []
+        if _takes(model, "position_ids") and not foreign:
+            if any(w != FULL for w in windows.values()):
+                if getattr(config, "layer_types", None) is not None:
+                    candidates.append(cls(model, masks=windows, mask_by_kind=True))
+                if len(set(windows.values())) == 1:
+                    candidates.append(cls(model, masks=windows))
+            else:
+                candidates.append(cls(model))
+        why = (f"declares attention windows specdec cannot mask ({', '.join(foreign)})" if foreign else
+               "places tokens itself (its forward takes no explicit positions)"
+               if not _takes(model, "position_ids") else "its batched masks do not reproduce a row alone")
+        rowwise = cls(model, mode="rowwise", reason=why)
+        if not probe:
+            return candidates[0] if candidates else rowwise
+        baseline = rowwise.probe()  # exact by construction; its error is this model's float noise
+        for candidate in candidates:
+            try:
+                error = candidate.probe()
+            except Exception:
+                continue
+            if error <= max(_tolerance(model), 4 * baseline):
+                return candidate
+        return rowwise
+
+    def probe(self) -> float:
+        """Largest relative logit error of ragged, rolled-back, compacted rows against each row alone.
+
+        Two rows advance in blocks of three tokens; each step one row keeps its whole block and the
+        other keeps one token, so the cache grows holes and left padding, then gets compacted. The
+        sequence runs past the model's shortest attention window where that window is short.
+        """
+        model = self.model
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        windows = [w.sliding or w.chunk for w in self.masks.values() if w.sliding or w.chunk]
+        length = min(max([14] + [w + 6 for w in windows if w <= 48]), (max_positions(model.config) or 64) - 1)
+        generator = torch.Generator().manual_seed(0)
+        sequence = torch.randint(3, vocab, (length + 8,), generator=generator).to(self._device)
+        with torch.inference_mode():
+            reference = model(input_ids=sequence[None], use_cache=False).logits[0].float()  # [L, V]
+        scale = max(1.0, float(reference.abs().max()))
+        cache = self.new_cache(2)
+        tokens = torch.stack([sequence[:4], torch.cat([sequence[:2].new_zeros(2), sequence[:2]])])
+        valid = torch.tensor([[True] * 4, [False, False, True, True]], device=self._device)
+        logits, _ = cache.forward(tokens, valid, logits_to_keep=1)
+        errors = [logits[0, -1].float() - reference[3], logits[1, -1].float() - reference[1]]
+        done, step = [4, 2], 0
+        while min(done) < length:
+            block = torch.stack([sequence[d: d + 3] for d in done])  # [2, 3]
+            logits, _ = cache.forward(block, torch.ones_like(block, dtype=torch.bool), logits_to_keep=3)
+            keep = [3, 1] if step % 2 == 0 else [1, 3]
+            for row in range(2):
+                errors.append(logits[row, : keep[row]].float() - reference[done[row]: done[row] + keep[row]])
+            cache.truncate(cache.lengths - 3 + torch.tensor(keep, device=self._device))
+            done = [d + k for d, k in zip(done, keep)]
+            if step == 3:
+                cache.compact(slack=0.0, minimum=0)
+            step += 1
+        error = max(float(e.abs().max()) for e in errors)
+        return error / scale
+
+    @property
+    def _device(self):
+        return next(self.model.parameters()).device
+
+
+def _tolerance(model) -> float:
+    return 1e-4 if model.dtype == torch.float32 else 2e-2
+
+
+def layer_kinds(model, name: str) -> list[str]:
+    """Each layer's attention kind, refusing models whose state cannot be rolled back per row."""
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedModelError(
+            f"{name} keeps recurrent state that speculative rollback cannot restore")
+    config = model.config.get_text_config(decoder=True)
+    try:
+        kinds, _ = get_layer_types_and_kwargs(config)
+    except Exception:
+        kinds = ["full_attention"]
+    for kind in kinds:
+        if kind in _RECURRENT_KINDS or "linear" in kind or "mamba" in kind:
+            raise UnsupportedModelError(
+                f"{name} keeps recurrent state ({kind} layers) that speculative rollback cannot restore")
+        if kind not in ("full_attention", "sliding_attention", "chunked_attention", "dummy"):
+            raise UnsupportedModelError(
+                f"{name} has {kind} layers, whose cache specdec cannot roll back per row")
+    return list(kinds)
+
+
+def _window(config, kind: str) -> Window:
+    if kind == "sliding_attention":
+        return Window(sliding=int(config.sliding_window))
+    if kind == "chunked_attention":
+        return Window(chunk=int(config.attention_chunk_size))
+    return FULL
+
+
+def foreign_windows(config) -> list[str]:
+    """Local-attention settings that transformers' mask builders do not handle (e.g. gpt_neo's)."""
+    found = []
+    for name, value in vars(config).items():
+        if name in ("sliding_window", "attention_chunk_size") or name.startswith("use_") or \
+                name.endswith(("pattern", "layers")):
+            continue  # transformers turns these into layer kinds, which specdec masks itself
+        if any(key in name for key in _WINDOW_NAMES) and isinstance(value, int) and not isinstance(value, bool):
+            found.append(name)
+        if name in ("attention_layers", "attention_types") and "local" in str(value):
+            found.append(name)
+    return sorted(set(found))
+
+
+def logits_processors(model, prompt_length: int, max_new_tokens: int):
+    """The logits processors ``model.generate(do_sample=False)`` applies for a prompt of this length.
+
+    Repetition penalty, no-repeat n-grams, forced, suppressed and bad tokens, minimum lengths:
+    whatever the model's generation config asks for. Returns a callable (input_ids [1, L], scores
+    [1, V]) -> scores, or None when the config asks for nothing.
+    """
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return None
+    config = copy.deepcopy(config)
+    config.do_sample = False
+    config.max_new_tokens, config.max_length = max_new_tokens, prompt_length + max_new_tokens
+    device = next(model.parameters()).device
+    with quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # settings generate() itself ignores here, e.g. encoder n-grams
+        model._prepare_special_tokens(config, True, device=device)
+        processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_length,
+                                                 device=device)
+    return processors if len(processors) else None

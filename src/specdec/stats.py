@@ -16,6 +16,8 @@ class Stats:
     drafter: str = "none"
     draft_schedule: str = "constant"
     batch_size: int = 0
+    backend: str = ""                 # how the target ran: "hf/sdpa", "hf/eager/rowwise", "native"
+    logits_processors: list[str] = field(default_factory=list)  # generation-config processing applied
     new_tokens: int = 0
     target_forwards: int = 0          # batched target passes, prefill included
     verify_steps: int = 0             # row-steps: one row verified once
@@ -110,7 +112,9 @@ class Stats:
 
     def summary(self) -> str:
         lines = [
-            f"drafter {self.drafter} ({self.draft_schedule} k, mean k {self.mean_k:.2f}), batch {self.batch_size}",
+            f"drafter {self.drafter} ({self.draft_schedule} k, mean k {self.mean_k:.2f}), batch {self.batch_size}, "
+            f"backend {self.backend or '?'}"
+            + (f", logits processing {', '.join(self.logits_processors)}" if self.logits_processors else ""),
             f"new tokens {self.new_tokens}, target forwards {self.target_forwards}, "
             f"{self.tokens_per_second:.1f} tokens/s",
             f"tau {self.mean_accepted_length:.3f} (predicted from alpha {self.predicted_mean_accepted_length:.3f}), "

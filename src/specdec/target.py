@@ -13,16 +13,19 @@ from .errors import InvalidArgumentError, SpecdecError
 
 @dataclass
 class Target:
-    """A loaded causal LM. ``forward`` runs it on a block of columns of a ``KVCache``."""
+    """A loaded causal LM. ``forward`` runs it on a block of columns of a ragged KV cache."""
 
     model: torch.nn.Module
     tokenizer: object | None = None
     name: str = "target"
     eos_token_ids: tuple[int, ...] = field(default=())
+    backend: object = None  # how the model runs on a ragged cache (hf.HFBackend); decided at load
 
     def __post_init__(self):
         if not self.eos_token_ids:
             self.eos_token_ids = hf.eos_token_ids(self.model)
+        if self.backend is None:
+            self.backend = hf.HFBackend.for_model(self.model)
 
     @property
     def config(self):
@@ -53,20 +56,23 @@ class Target:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         return int(pad)
 
-    def new_cache(self, batch_size: int):
-        from .cache import KVCache
-        return KVCache(batch_size, device=self.device, max_positions=self.max_positions)
+    def new_cache(self, batch_size: int, capacity: int | None = None):
+        """A ragged KV cache for ``batch_size`` rows of up to ``capacity`` tokens (None: grows)."""
+        return self.backend.new_cache(batch_size, capacity)
 
     def forward(self, cache, tokens: torch.Tensor, valid: torch.Tensor | None = None, logits_to_keep: int = 1,
-                hidden_layers: tuple[int, ...] = ()):
+                hidden_layers: tuple[int, ...] = (), block_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """Run a block [B, n] through the model on top of ``cache``.
 
         Returns logits [B, logits_to_keep, V] and, when ``hidden_layers`` is given, hidden states
         [B, n, len(hidden_layers), H]; index 0 is the embedding output, i the output of layer i.
+        ``block_mask`` [B, n, n] says which tokens of the block each token sees (None: causal),
+        ``positions`` [B, n] overrides the positions (None: live tokens counted in order).
         """
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
-        return cache.forward(self.model, tokens, valid, logits_to_keep, hidden_layers)
+        return cache.forward(tokens, valid, logits_to_keep, hidden_layers, block_mask, positions)
 
     def encode(self, prompts) -> list[list[int]]:
         """Prompts as token ids: each prompt is a string (needs a tokenizer) or a list of ints."""

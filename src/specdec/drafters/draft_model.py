@@ -13,7 +13,6 @@ import torch
 
 from .. import hf
 from ..batch import Sequences
-from ..cache import KVCache
 from ..errors import ContextLengthError, VocabularyMismatchError
 from ..sampling import probabilities, sample
 from .base import DecodeContext, Proposal
@@ -30,6 +29,7 @@ class DraftModel:
             self.model = hf.load_causal_lm(model, dtype=dtype, device=device)
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
+        self.backend = hf.HFBackend.for_model(self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -53,18 +53,16 @@ class DraftModel:
         if window is not None and needed > window:
             raise ContextLengthError(
                 f"the draft model's context window is {window} tokens, this generation needs up to {needed}")
-        return DraftModelSession(self.model, context, seqs.batch_size, context.target.vocab_size)
+        return DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size)
 
 
 class DraftModelSession:
-    def __init__(self, model, context: DecodeContext, batch_size: int, target_vocab: int):
-        self.model = model
+    def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int):
         self.sampling = context.sampling
         self.generator = context.generator
         self.pad = context.target.pad_token_id
         self.target_vocab = target_vocab
-        self.cache = KVCache(batch_size, device=context.target.device,
-                             max_positions=hf.max_positions(model.config))
+        self.cache = backend.new_cache(batch_size)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""
@@ -87,14 +85,14 @@ class DraftModelSession:
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         # Catch up on committed tokens this cache has not seen (ragged: left-padded with holes).
         tokens, valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
-        logits, _ = self.cache.forward(self.model, tokens, valid, logits_to_keep=1)
+        logits, _ = self.cache.forward(tokens, valid, logits_to_keep=1)
         drafts, dists = [], []
         token, probs = self._next(logits[:, -1])
         drafts.append(token)
         dists.append(probs)
         everyone = torch.ones(seqs.batch_size, 1, dtype=torch.bool, device=tokens.device)
         for _ in range(k - 1):
-            logits, _ = self.cache.forward(self.model, token[:, None], everyone, logits_to_keep=1)
+            logits, _ = self.cache.forward(token[:, None], everyone, logits_to_keep=1)
             token, probs = self._next(logits[:, -1])
             drafts.append(token)
             dists.append(probs)

@@ -1,0 +1,57 @@
+"""Logits processing a model's generation config asks for, applied exactly at every verified position.
+
+``model.generate(do_sample=False)`` applies the processors of the model's generation config
+(repetition penalty, no-repeat n-grams, forced or suppressed tokens, minimum lengths, bad words).
+specdec applies the same processors to the target's logits at each position it verifies, with
+that position's own context (committed tokens plus the drafts before it), so greedy output still
+equals ``generate`` and sampling still follows the processed, warped target distribution.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import hf
+from .batch import Sequences
+
+
+class GenerationProcessors:
+    def __init__(self, model, prompt_lengths: list[int], max_new_tokens: int):
+        # Processors depend on the prompt length (minimum new tokens, forced EOS), so one list per length.
+        self.lists = {n: hf.logits_processors(model, n, max_new_tokens) for n in sorted(set(prompt_lengths))}
+        self.names = sorted({type(p).__name__ for procs in self.lists.values() for p in procs or ()})
+
+    @classmethod
+    def for_target(cls, target, prompts: list[list[int]], max_new_tokens: int) -> "GenerationProcessors | None":
+        """None when the target's generation config asks for no logits processing (the usual case)."""
+        model = getattr(target, "model", None)
+        if model is None:
+            return None
+        try:
+            processors = cls(model, [len(p) for p in prompts], max_new_tokens)
+        except Exception as exc:  # an unusual generation config: say what is not applied, once
+            warnings.warn(f"specdec does not apply {type(model).__name__}'s generation-config logits processing "
+                          f"({hf.first_line(exc)}); outputs may differ from model.generate()", stacklevel=3)
+            return None
+        return processors if processors.names else None
+
+    def apply(self, seqs: Sequences, prompt_lengths: torch.Tensor, logits: torch.Tensor,
+              drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed logits [B, m, V]: position j of row b continues its committed tokens + drafts[b, :j].
+
+        prompt_lengths: [B] of the live rows; drafts: [B, m - 1] or None (m = 1).
+        """
+        out = logits.float().clone()
+        for row in range(logits.shape[0]):
+            processors = self.lists[int(prompt_lengths[row])]
+            if processors is None:
+                continue
+            length = int(seqs.lengths[row])
+            context = seqs.tokens[row, :length]
+            if drafts is not None:
+                context = torch.cat([context, drafts[row]])
+            for j in range(logits.shape[1]):
+                out[row, j] = processors(context[None, : length + j], out[row, j][None])[0]
+        return out
