@@ -234,7 +234,7 @@ def format_table(result: dict) -> str:
 
 
 def add_bench_command(commands) -> None:
-    from .cli import add_model_arguments
+    from .clitools import add_model_arguments
 
     bench = commands.add_parser("bench", help="compare plain, draft-model and prompt-lookup decoding, "
                                               "specdec against transformers, in one run")
@@ -267,7 +267,7 @@ def load_bench_prompts(args) -> list:
 
 
 def run_bench_command(args) -> int:
-    from .cli import check_output_path, make_drafter, write_atomic
+    from .clitools import check_output_path, make_drafter, write_atomic
     from .target import load_target
 
     check_output_path(args.output)

@@ -8,53 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
+from .clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
+                       check_output_path, make_drafter, write_atomic)
 from .errors import InvalidArgumentError, SpecdecError
-
-DRAFTERS = ("none", "draft-model", "prompt-lookup")
-# SGLang's names for the same methods, accepted by --speculative-algorithm.
-SGLANG_ALGORITHMS = {"STANDALONE": "draft-model", "NGRAM": "prompt-lookup", "NONE": "none"}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _drafter_name(value: str) -> str:
-    name = SGLANG_ALGORITHMS.get(value.upper(), value)
-    if name not in DRAFTERS:
-        raise argparse.ArgumentTypeError(
-            f"unknown drafter {value!r}; choose from {', '.join(DRAFTERS)} "
-            f"(or SGLang's {', '.join(SGLANG_ALGORITHMS)})")
-    return name
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (Hugging Face layout)")
-    parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
-                        help="draft model directory (for --drafter draft-model)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
-    parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
-    parser.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram tried (default 1)")
-
-
-def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draft-schedule", choices=("constant", "heuristic"), default="constant",
-                        help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
     add_model_arguments(gen)
-    gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=_drafter_name, default="none",
+    gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
                      help="none | draft-model | prompt-lookup (SGLang's STANDALONE / NGRAM accepted)")
     gen.add_argument("-k", "--num-draft-tokens", "--speculative-num-draft-tokens", dest="k", type=int, default=5,
                      help="draft tokens per step (default 5)")
@@ -86,18 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     if add_train_commands is not None:
         add_train_commands(commands)
     return parser
-
-
-def make_drafter(name: str, args):
-    """The drafter named on the command line, loaded."""
-    from . import drafters
-    from .target import parse_dtype
-
-    if name == "draft-model":  # callers check that --draft was given before loading anything
-        return drafters.DraftModel(args.draft, dtype=parse_dtype(args.dtype))
-    if name == "prompt-lookup":
-        return drafters.PromptLookup(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
-    return drafters.NoDraft()
 
 
 def run_generate(args) -> int:
@@ -134,26 +80,6 @@ def run_generate(args) -> int:
             print(out.texts[i] if out.texts is not None else " ".join(map(str, ids)))
         print(out.stats.summary(), file=sys.stderr)
     return 0
-
-
-def check_output_path(path: str | os.PathLike | None) -> None:
-    """Fail before any work when an output file could not be written."""
-    if path is not None and not Path(path).parent.is_dir():
-        raise InvalidArgumentError(f"output folder does not exist: {Path(path).parent}")
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path via a temporary file in the same folder, so readers never see half a file."""
-    check_output_path(path)
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:
