@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec import hf
 from specdec.target import load_target
 from specdec.tiny import ARCHITECTURES, build_tokenizer, save_tiny
 
@@ -27,6 +28,18 @@ def model_dirs(tmp_path_factory, tokenizer):
     return dirs
 
 
+@pytest.fixture(scope="session", params=["auto", "hf"])
+def backend(request):
+    """Tests that load targets run on both backends: "auto" is native where supported (GPT-2: transformers)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def targets(model_dirs):
-    return {arch: load_target(model_dirs[arch]) for arch in ARCHITECTURES}
+def targets(model_dirs, backend):
+    return {arch: load_target(model_dirs[arch], backend=backend) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    """transformers' own models of the same folders: the references every backend is checked against."""
+    return {arch: hf.load_causal_lm(model_dirs[arch]) for arch in ARCHITECTURES}

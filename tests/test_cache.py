@@ -6,14 +6,14 @@ import torch
 
 
 
-def full_logits(target, rows):
-    """Reference: each row alone, no cache. rows: list of token lists -> list of [len, V]."""
+def full_logits(model, rows):
+    """Reference: each row alone, no cache, in transformers. rows: list of token lists -> list of [len, V]."""
     with torch.no_grad():
-        return [target.model(torch.tensor([r])).logits[0] for r in rows]
+        return [model(torch.tensor([r])).logits[0] for r in rows]
 
 
-def test_holes_rollback_and_compaction_are_exact(targets):
-    target = targets["llama"]
+def test_holes_rollback_and_compaction_are_exact(targets, hf_models):
+    target, model = targets["llama"], hf_models["llama"]
     torch.manual_seed(0)
     rows = [torch.randint(0, target.vocab_size, (n,)).tolist() for n in (9, 4, 6)]
     cache = target.new_cache(3)
@@ -28,7 +28,7 @@ def test_holes_rollback_and_compaction_are_exact(targets):
         keep = torch.randint(1, 6, (3,), generator=generator)
         logits, _ = target.forward(cache, block, logits_to_keep=5)
         for b in range(3):
-            expected = full_logits(target, [rows[b] + block[b].tolist()])[0][-5:]
+            expected = full_logits(model, [rows[b] + block[b].tolist()])[0][-5:]
             assert torch.allclose(logits[b], expected, atol=1e-4), (step, b)
         cache.truncate(cache.lengths - 5 + keep)
         for b in range(3):
@@ -39,7 +39,7 @@ def test_holes_rollback_and_compaction_are_exact(targets):
         assert cache.lengths.tolist() == [len(r) for r in rows]
     cache.select_rows(torch.tensor([2, 0]))
     logits, _ = target.forward(cache, torch.tensor([[5], [6]]))
-    expected = full_logits(target, [rows[2] + [5], rows[0] + [6]])
+    expected = full_logits(model, [rows[2] + [5], rows[0] + [6]])
     assert torch.allclose(logits[0, -1], expected[0][-1], atol=1e-4)
     assert torch.allclose(logits[1, -1], expected[1][-1], atol=1e-4)
 
@@ -59,12 +59,12 @@ def test_memory_stays_bounded_under_ragged_acceptance(targets):
         assert cache.columns <= longest + max(32, longest // 2)
 
 
-def test_hidden_states_of_chosen_layers(targets):
+def test_hidden_states_of_chosen_layers(targets, hf_models):
     target = targets["qwen3"]
     tokens = torch.tensor([[3, 4, 5, 6]])
     _, hidden = target.forward(target.new_cache(1), tokens, hidden_layers=(0, 1, 2))
     with torch.no_grad():
-        reference = target.model(tokens, output_hidden_states=True).hidden_states
+        reference = hf_models["qwen3"](tokens, output_hidden_states=True).hidden_states
     assert hidden.shape == (1, 4, 3, target.config.hidden_size)
     for i in range(3):
         assert torch.allclose(hidden[:, :, i], reference[i], atol=1e-5)

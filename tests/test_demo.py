@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import specdec
+from specdec import hf
 from specdec.cli import main
 from specdec.drafters import DraftModel, PromptLookup
 from specdec.zoo import zoo_path
@@ -43,11 +44,13 @@ def test_unknown_task_set_is_one_line_error(capsys):
 
 def test_trained_pair_is_lossless_and_accepts_drafts(zoo):
     target, draft = zoo
+    assert target.backend.name == "native"  # the zoo is a Llama: "auto" runs it natively
+    model = hf.load_causal_lm(zoo_path("target"))
     prompts = target.encode(load_tasks("code-completion")[:4] + load_tasks("copy-edit")[:2])
     reference = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
         tokens = out[0, len(prompt):].tolist()
         eos = target.eos_token_ids
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))

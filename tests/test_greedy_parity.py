@@ -19,43 +19,43 @@ PROMPTS = [
 MAX_NEW = 40
 
 
-def hf_greedy(target, prompt, max_new_tokens, eos=None):
+def hf_greedy(model, prompt, max_new_tokens, eos=None):
     """transformers' greedy generate; eos None means no stop token at all."""
     ids = torch.tensor([prompt])
-    target.model.generation_config.eos_token_id = None
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+    model.generation_config.eos_token_id = None
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
     tokens = out[0, len(prompt):].tolist()
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
-def stop_token_for(target, prompts):
+def stop_token_for(model, prompts):
     """A token plain decoding emits mid-way for one prompt but never for another: EOS ends some rows only."""
-    plain = [hf_greedy(target, p, MAX_NEW) for p in prompts]
+    plain = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     for token in plain[0][3:] + [t for row in plain[1:] for t in row[3:]]:
         if any(token not in row for row in plain):
             return token
     raise AssertionError("every continuation uses the same tokens; pick other prompts")
 
 
-def drafters_for(arch, target, model_dirs):
-    drafters = [NoDraft(), PromptLookup(max_ngram=3), DraftModel(model_dirs[f"{arch}-draft"]),
-                DraftModel(target.model)]  # the target as its own draft: every draft is accepted
+def drafters_for(arch, backend, model_dirs):
+    drafters = [NoDraft(), PromptLookup(max_ngram=3), DraftModel(model_dirs[f"{arch}-draft"], backend=backend),
+                DraftModel(model_dirs[arch], backend=backend)]  # the target as its own draft: all accepted
     if arch == "llama":
-        drafters.append(DraftModel(model_dirs["gpt2-draft"]))  # another architecture, same tokenizer
+        drafters.append(DraftModel(model_dirs["gpt2-draft"], backend=backend))  # another architecture, same tokenizer
     return drafters
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_every_drafter_matches_transformers_greedy(arch, targets, model_dirs):
-    target = targets[arch]
+def test_every_drafter_matches_transformers_greedy(arch, targets, hf_models, model_dirs, backend):
+    target, model = targets[arch], hf_models[arch]
     prompts = target.encode(PROMPTS)
-    eos = stop_token_for(target, prompts)
+    eos = stop_token_for(model, prompts)
     target.eos_token_ids = (eos,)
-    reference = [hf_greedy(target, p, MAX_NEW, eos) for p in prompts]
+    reference = [hf_greedy(model, p, MAX_NEW, eos) for p in prompts]
     assert any(r and r[-1] == eos for r in reference), "some row should stop at EOS"
     assert any(len(r) == MAX_NEW for r in reference), "some row should run to the limit"
-    for drafter in drafters_for(arch, target, model_dirs):
+    for drafter in drafters_for(arch, backend, model_dirs):
         for k in (1, 4, 8):
             out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=k, max_new_tokens=MAX_NEW)
             assert out.token_ids == reference, f"{drafter.name} k={k} batch of {len(prompts)}"
@@ -66,38 +66,39 @@ def test_every_drafter_matches_transformers_greedy(arch, targets, model_dirs):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
-def test_generation_up_to_the_context_limit(arch, targets, model_dirs):
+def test_generation_up_to_the_context_limit(arch, targets, hf_models, model_dirs, backend):
     target = targets[arch]
     window = target.max_positions
     base = target.encode(PROMPTS)
     long_prompt = (base[0] * window)[: window - 24]
     short_prompt = base[3]
     target.eos_token_ids = ()
-    reference = [hf_greedy(target, p, 24) for p in (long_prompt, short_prompt)]
-    for drafter in (PromptLookup(), DraftModel(target.model), DraftModel(model_dirs[f"{arch}-draft"])):
+    reference = [hf_greedy(hf_models[arch], p, 24) for p in (long_prompt, short_prompt)]
+    for drafter in (PromptLookup(), DraftModel(model_dirs[arch], backend=backend),
+                    DraftModel(model_dirs[f"{arch}-draft"], backend=backend)):
         out = specdec.generate(target, [long_prompt, short_prompt], drafter=drafter, num_draft_tokens=8,
                                max_new_tokens=24)
         assert out.token_ids == reference, drafter.name
         assert len(long_prompt) + len(out.token_ids[0]) <= window
 
 
-def test_adaptive_k_is_lossless_and_reported(targets):
+def test_adaptive_k_is_lossless_and_reported(targets, hf_models, model_dirs, backend):
     target = targets["llama"]
     target.eos_token_ids = ()
     prompts = target.encode(PROMPTS)
-    reference = [hf_greedy(target, p, 30) for p in prompts]
-    out = specdec.generate(target, prompts, drafter=DraftModel(target.model), num_draft_tokens=2,
+    reference = [hf_greedy(hf_models["llama"], p, 30) for p in prompts]
+    out = specdec.generate(target, prompts, drafter=DraftModel(model_dirs["llama"], backend=backend), num_draft_tokens=2,
                            max_new_tokens=30, draft_schedule="heuristic")
     assert out.token_ids == reference
     assert out.stats.draft_schedule == "heuristic"
     assert max(out.stats.k_history) > 2, "fully accepted steps must grow k"
 
 
-def test_statistics_are_consistent(targets, model_dirs):
+def test_statistics_are_consistent(targets, model_dirs, backend):
     target = targets["llama"]
     target.eos_token_ids = ()
     prompts = target.encode(PROMPTS)
-    same = specdec.generate(target, prompts, drafter=DraftModel(target.model), num_draft_tokens=4,
+    same = specdec.generate(target, prompts, drafter=DraftModel(model_dirs["llama"], backend=backend), num_draft_tokens=4,
                             max_new_tokens=21).stats
     assert same.alpha == 1.0 and same.acceptance_rate == 1.0
     # 21 tokens = 1 from prefill + 4 steps of 5 tokens per row

@@ -106,14 +106,14 @@ def test_the_chi_square_check_has_power():
 
 
 # End to end: specdec.generate on a tiny model, batches of identical prompts ----------------------------
-def exact_two_token_distribution(target, prompt, config: SamplingConfig) -> torch.Tensor:
+def exact_two_token_distribution(model, prompt, config: SamplingConfig) -> torch.Tensor:
     """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1) under the warped target, as a flat [V*V] vector."""
-    vocab = target.vocab_size
+    vocab = model.get_output_embeddings().weight.shape[0]
     with torch.no_grad():
-        first = probabilities(target.model(torch.tensor([prompt])).logits[0, -1], config)
+        first = probabilities(model(torch.tensor([prompt])).logits[0, -1], config)
         support = first.nonzero().squeeze(1)
         rows = torch.tensor([prompt + [t] for t in support.tolist()])
-        second = probabilities(target.model(rows).logits[:, -1], config)
+        second = probabilities(model(rows).logits[:, -1], config)
     joint = torch.zeros(vocab, vocab)
     joint[support] = first[support, None] * second
     return joint.flatten()
@@ -126,13 +126,15 @@ def exact_two_token_distribution(target, prompt, config: SamplingConfig) -> torc
     ("self", 1.2, 5, 0.95),
     ("lookup", 1.0, 4, None),
 ])
-def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, model_dirs):
+def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, hf_models, model_dirs,
+                                            backend):
     target = targets["llama"]
     target.eos_token_ids = ()
     prompt = target.encode(["x = x + 1\nx = x"])[0]
     config = SamplingConfig(temperature, top_k, top_p)
-    exact = exact_two_token_distribution(target, prompt, config)
-    drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"]), "self": DraftModel(target.model),
+    exact = exact_two_token_distribution(hf_models["llama"], prompt, config)
+    drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"], backend=backend),
+               "self": DraftModel(model_dirs["llama"], backend=backend),
                "lookup": PromptLookup(max_ngram=2)}[drafter_kind]
     samples, neighbours = [], []
     for seed in range(3):

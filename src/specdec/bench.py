@@ -9,6 +9,7 @@ take turns on each prompt (in rotating order), so drifts in machine speed hit al
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from . import hf
 from .decode import GenerationConfig, generate_ids
 from .drafters import DraftModel, NoDraft, PromptLookup
 from .errors import InvalidArgumentError
@@ -26,25 +28,41 @@ PLAIN, DRAFT_MODEL, PROMPT_LOOKUP = "plain", "draft-model", "prompt-lookup"
 
 
 @dataclass
+class Engine:
+    """What specdec runs on one backend: the target and, optionally, its draft model."""
+
+    target: Target
+    draft: DraftModel | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.target.backend.description
+
+
+@dataclass
 class Method:
     family: str                  # plain | draft-model | prompt-lookup
     impl: str                    # specdec | transformers
     k: int | None
     batch_size: int
     run: Callable                # list[list[int]] -> (outputs, Stats | None)
+    engine: Engine | None = None  # specdec's methods: the backend they run on
+    tag: str = ""                # the backend in labels, when a bench compares several
     new_tokens: int = 0
     seconds: float = 0.0
     tau_tokens: int = 0          # tokens committed by verification steps
     tau_steps: int = 0           # verification row-steps
     drafts_accepted: int = 0
     drafts_evaluated: int = 0
+    k_sum: int = 0               # drafts proposed over all row-steps (for the mean k)
     outputs: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
         k = f" k={self.k}" if self.k else ""
         batch = f" batch={self.batch_size}" if self.batch_size > 1 else ""
-        return f"{self.impl} {self.family}{k}{batch}"
+        tag = f"[{self.tag}]" if self.tag else ""
+        return f"{self.impl}{tag} {self.family}{k}{batch}"
 
     @property
     def tau(self) -> float | None:
@@ -59,13 +77,14 @@ class Method:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def specdec_method(target: Target, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int):
+def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int,
+                   tag: str = ""):
     config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens)
 
     def run(prompts):
-        out = generate_ids(target, prompts, drafter, config)
+        out = generate_ids(engine.target, prompts, drafter, config)
         return out.token_ids, out.stats
-    return Method(family, "specdec", k, batch_size, run)
+    return Method(family, "specdec", k, batch_size, run, engine, tag)
 
 
 class ForwardCounter:
@@ -79,8 +98,9 @@ class ForwardCounter:
         self.count += 1
 
 
-def transformers_method(target: Target, family: str, draft_model, k: int | None, max_new_tokens: int,
+def transformers_method(target: Target, model, family: str, draft_model, k: int | None, max_new_tokens: int,
                         max_ngram: int, counter: ForwardCounter):
+    """transformers' generate() on ``model`` (the target's weights as a transformers model)."""
     extra = {}
     if family == DRAFT_MODEL:
         extra = {"assistant_model": draft_model}
@@ -99,7 +119,7 @@ def transformers_method(target: Target, family: str, draft_model, k: int | None,
         ids = torch.tensor([prompt], device=target.device)
         before = counter.count
         with torch.inference_mode():
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                         max_new_tokens=max_new_tokens, pad_token_id=target.pad_token_id,
                                         eos_token_id=eos, **extra)
         tokens = out[0, len(prompt):].tolist()
@@ -112,24 +132,40 @@ def transformers_method(target: Target, family: str, draft_model, k: int | None,
     return Method(family, "transformers", k, 1, run)
 
 
-def build_methods(target: Target, draft: DraftModel | None, ks: list[int], max_new_tokens: int,
-                  batch_sizes: list[int], max_ngram: int, min_ngram: int, with_transformers: bool):
+def transformers_model(model: Target | DraftModel):
+    """The transformers model of a target or draft model: its own, or loaded from its folder."""
+    if model.model is not None:
+        return model.model
+    if model.path is None:
+        raise InvalidArgumentError("transformers' methods need the transformers model (pass transformers_models=)")
+    return hf.load_causal_lm(model.path, dtype=model.backend.dtype, device=model.backend.device)
+
+
+def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
+                  max_ngram: int, min_ngram: int, reference: tuple | None):
+    """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None)."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-    for batch_size in batch_sizes:
-        methods.append(specdec_method(target, PLAIN, NoDraft(), None, max_new_tokens, batch_size))
+    for engine in engines:
+        tag = engine.backend if len(engines) > 1 else ""
+        for batch_size in batch_sizes:
+            methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
+            for k in ks:
+                if engine.draft is not None:
+                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size,
+                                                  tag))
+                methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
+    if reference is not None:
+        model, draft_model = reference
+        target = engines[0].target
+        counter = ForwardCounter(model)
+        methods.append(transformers_method(target, model, PLAIN, None, None, max_new_tokens, max_ngram, counter))
         for k in ks:
-            if draft is not None:
-                methods.append(specdec_method(target, DRAFT_MODEL, draft, k, max_new_tokens, batch_size))
-            methods.append(specdec_method(target, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size))
-    if with_transformers:
-        counter = ForwardCounter(target.model)
-        methods.append(transformers_method(target, PLAIN, None, None, max_new_tokens, max_ngram, counter))
-        for k in ks:
-            if draft is not None:
-                methods.append(transformers_method(target, DRAFT_MODEL, draft.model, k, max_new_tokens,
+            if draft_model is not None:
+                methods.append(transformers_method(target, model, DRAFT_MODEL, draft_model, k, max_new_tokens,
                                                    max_ngram, counter))
-            methods.append(transformers_method(target, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram, counter))
+            methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
+                                               counter))
     return methods
 
 
@@ -142,16 +178,25 @@ def _run_timed(method: Method, prompts: list[list[int]]):
 
 def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None = None, ks=(4,),
               max_new_tokens: int = 64, batch_sizes=(1,), repeats: int = 1, max_ngram: int = 3,
-              min_ngram: int = 1, with_transformers: bool = True, progress: bool = True) -> dict:
-    """Run every method on every prompt, interleaved; return the table as a dict."""
+              min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
+              more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None) -> dict:
+    """Run every method on every prompt, interleaved; return the table as a dict.
+
+    ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
+    transformers' methods run on ``transformers_models`` = (model, draft model or None), by default
+    the target's and draft's own transformers models.
+    """
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
     if any(k < 1 for k in ks):
         raise InvalidArgumentError("every k must be >= 1")
     if any(b < 1 for b in batch_sizes):
         raise InvalidArgumentError("every batch size must be >= 1")
-    methods = build_methods(target, draft, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram,
-                            with_transformers)
+    engines = [Engine(target, draft), *more_engines]
+    reference = None
+    if with_transformers:
+        reference = transformers_models or (transformers_model(target), draft and transformers_model(draft))
+    methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference)
     for method in methods:  # warm-up, untimed
         method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
                    prompts[: method.batch_size])
@@ -174,6 +219,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.tau_steps += info.verify_steps
                 method.drafts_accepted += info.drafts_accepted
                 method.drafts_evaluated += info.drafts_evaluated
+                method.k_sum += info.k_sum
             else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
                 method.tau_tokens += len(output)
@@ -186,23 +232,76 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                     mismatches.append({"prompt": index, "method": method.label})
             bar.update(1)
     bar.close()
-    return _table(methods, mismatches, len(prompts), max_new_tokens, repeats)
+    context = sum(map(len, prompts)) // len(prompts) + max_new_tokens // 2
+    costs = {id(engine): model_costs(engine, range(1, max(ks) + 2), context) for engine in engines}
+    return _table(methods, mismatches, len(prompts), max_new_tokens, repeats, costs)
 
 
-def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_tokens: int, repeats: int) -> dict:
-    def find(impl, family, k, batch_size):
+def forward_time(backend, n: int, context: int, repeats: int = 15) -> float:
+    """Median seconds of one forward pass of n new tokens at batch 1 after ``context`` cached tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = backend.vocab_size
+    cache = backend.new_cache(1, context + n + 8)
+    device = backend.device
+    cache.forward(torch.randint(vocab, (1, context), generator=generator).to(device),
+                  torch.ones(1, context, dtype=torch.bool, device=device))
+    block = torch.randint(vocab, (1, n), generator=generator).to(device)
+    everyone = torch.ones(1, n, dtype=torch.bool, device=device)
+    times = []
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        cache.forward(block, everyone, logits_to_keep=n)
+        times.append(time.perf_counter() - start)
+        cache.truncate(cache.lengths - n)
+    return statistics.median(times[3:])
+
+
+def model_costs(engine: Engine, sizes, context: int) -> dict:
+    """Pure forward-pass times of an engine's target (n new tokens) and draft model (1 token)."""
+    costs = {"target": {n: forward_time(engine.target.backend, n, context) for n in sizes}}
+    if engine.draft is not None:
+        costs["draft"] = forward_time(engine.draft.backend, 1, context)
+    return costs
+
+
+def model_time_bound(method: Method, costs: dict) -> float | None:
+    """Tokens/s if a step cost only its forward passes: tau / (T_draft + T_verify(k + 1)).
+
+    Plain decoding: 1 / T(1). The draft model drafts k tokens at T_draft(1) each (its catch-up pass
+    of one or two tokens is counted as one). Prompt lookup's drafting counts as engine time.
+    """
+    if method.impl != "specdec" or method.batch_size != 1:
+        return None
+    target = costs["target"]
+    if method.family == PLAIN:
+        return 1.0 / target[1]
+    if not method.tau_steps or method.tau is None:
+        return None
+    k = method.k_sum / method.tau_steps  # drafts actually proposed per step
+    n = min(target, key=lambda size: abs(size - (k + 1)))
+    verify = target[n] + (target[n] - target[1]) * ((k + 1 - n) / max(n - 1, 1))
+    draft = k * costs.get("draft", 0.0) if method.family == DRAFT_MODEL else 0.0
+    return method.tau / (draft + verify)
+
+
+def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_tokens: int, repeats: int,
+           costs: dict | None = None) -> dict:
+    def find(impl, tag, family, k, batch_size):
         for m in methods:
-            if (m.impl, m.family, m.k, m.batch_size) == (impl, family, k, batch_size):
+            if (m.impl, m.tag, m.family, m.k, m.batch_size) == (impl, tag, family, k, batch_size):
                 return m
         return None
 
     rows = []
     for m in methods:
-        plain = find("specdec", PLAIN, None, m.batch_size if m.impl == "specdec" else 1)
-        peer = find("transformers", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size == 1 else None
-        single = find("specdec", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size > 1 else None
+        plain = find("specdec", m.tag, PLAIN, None, m.batch_size) if m.impl == "specdec" else \
+            find("transformers", "", PLAIN, None, 1)
+        peer = find("transformers", "", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size == 1 else None
+        single = find("specdec", m.tag, m.family, m.k, 1) if m.impl == "specdec" and m.batch_size > 1 else None
+        bound = model_time_bound(m, costs[id(m.engine)]) if costs and m.engine is not None else None
         rows.append({
-            "method": m.label, "impl": m.impl, "family": m.family, "k": m.k, "batch_size": m.batch_size,
+            "method": m.label, "impl": m.impl, "backend": m.engine.backend if m.engine else "transformers",
+            "family": m.family, "k": m.k, "batch_size": m.batch_size,
             "tau": m.tau, "alpha": m.alpha, "tokens_per_second": m.tokens_per_second,
             "new_tokens": m.new_tokens, "seconds": m.seconds,
             "speedup_vs_plain": m.tokens_per_second / plain.tokens_per_second if plain and plain.seconds else None,
@@ -210,26 +309,44 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
                                       if peer and peer.seconds else None),
             "ratio_vs_batch_1": (m.tokens_per_second / single.tokens_per_second
                                  if single and single.seconds else None),
+            "model_time_bound": bound,
+            "efficiency": m.tokens_per_second / bound if bound else None,
         })
+    forward_costs = None
+    if costs:
+        forward_costs = {}
+        for m in methods:
+            if m.engine is not None and m.engine.backend not in forward_costs:
+                c = costs[id(m.engine)]
+                forward_costs[m.engine.backend] = {"target": {str(n): t for n, t in c["target"].items()},
+                                                   "draft_1": c.get("draft")}
     return {"prompts": num_prompts, "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "outputs_identical": not mismatches, "mismatches": mismatches, "rows": rows}
+            "outputs_identical": not mismatches, "mismatches": mismatches, "rows": rows,
+            "forward_costs": forward_costs}
 
 
 def format_table(result: dict) -> str:
     def cell(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    header = f"{'method':<40} {'tau':>6} {'alpha':>6} {'tok/s':>8} {'vs plain':>9} {'vs HF':>7} {'vs b=1':>7}"
+    header = (f"{'method':<44} {'tau':>6} {'alpha':>6} {'tok/s':>8} {'vs plain':>9} {'vs HF':>7} {'vs b=1':>7} "
+              f"{'effic.':>7}")
     lines = [header, "-" * len(header)]
     for row in result["rows"]:
-        lines.append(f"{row['method']:<40} {cell(row['tau'], '.2f'):>6} {cell(row['alpha'], '.2f'):>6} "
+        lines.append(f"{row['method']:<44} {cell(row['tau'], '.2f'):>6} {cell(row['alpha'], '.2f'):>6} "
                      f"{row['tokens_per_second']:>8.1f} {cell(row['speedup_vs_plain'], '.2f'):>9} "
-                     f"{cell(row['ratio_vs_transformers'], '.2f'):>7} {cell(row['ratio_vs_batch_1'], '.2f'):>7}")
+                     f"{cell(row['ratio_vs_transformers'], '.2f'):>7} {cell(row['ratio_vs_batch_1'], '.2f'):>7} "
+                     f"{cell(row.get('efficiency'), '.2f'):>7}")
     verdict = "all greedy outputs identical" if result["outputs_identical"] else (
         f"OUTPUTS DIFFER in {len(result['mismatches'])} runs: " +
         ", ".join(f"prompt {m['prompt']} ({m['method']})" for m in result["mismatches"][:5]))
     lines.append(f"{result['prompts']} prompts x {result['repeats']} repeats, "
                  f"max {result['max_new_tokens']} new tokens; {verdict}")
+    lines.append("efficiency: tokens/s over the model-time bound tau / (T_draft + T_verify(k+1)), "
+                 "1 / T(1) for plain; forward times measured in this run")
+    for backend, curve in (result.get("cost_curve") or {}).items():
+        lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
+            f"{n}: {ratio:.2f}" for n, ratio in curve["ratio"].items()) + f" (T(1) = {curve['ms']['1']:.2f} ms)")
     return "\n".join(lines)
 
 
@@ -238,7 +355,7 @@ def add_bench_command(commands) -> None:
 
     bench = commands.add_parser("bench", help="compare plain, draft-model and prompt-lookup decoding, "
                                               "specdec against transformers, in one run")
-    add_model_arguments(bench)
+    add_model_arguments(bench, several_backends=True)
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", metavar="FILE.jsonl")
     source.add_argument("--tasks", metavar="NAME", help="a task set of the zoo (e.g. code-completion)")
@@ -249,6 +366,8 @@ def add_bench_command(commands) -> None:
                        help="batch sizes for specdec's methods (transformers' run at batch 1)")
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
+    bench.add_argument("--cost-curve", action="store_true",
+                       help="also print T(n)/T(1), the target's forward time for n new tokens, n = 1..64")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
     bench.set_defaults(func=run_bench_command)
@@ -281,16 +400,33 @@ def run_bench_command(args) -> int:
         if args.num_prompts < 1:
             raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         prompts = prompts[: args.num_prompts]
-    target = load_target(args.target, dtype=args.dtype)
-    draft = make_drafter("draft-model", args) if args.draft else None
-    if draft is not None:
-        draft.check_compatible(target)
+    engines = []
+    for backend in dict.fromkeys(args.backend):
+        target = load_target(args.target, dtype=args.dtype, backend=backend)
+        draft = make_drafter("draft-model", args, backend=backend) if args.draft else None
+        if draft is not None:
+            draft.check_compatible(target)
+        engines.append(Engine(target, draft))
+    first = engines[0]
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    result = run_bench(target, target.encode(prompts), draft=draft, ks=args.k, max_new_tokens=args.max_new_tokens,
-                       batch_sizes=args.batch_sizes, repeats=args.repeats, max_ngram=args.max_ngram,
-                       min_ngram=args.min_ngram, with_transformers=not args.no_transformers)
+    result = run_bench(first.target, first.target.encode(prompts), draft=first.draft, ks=args.k,
+                       max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
+                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
+                       more_engines=tuple(engines[1:]))
+    if args.cost_curve:
+        result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     return 0 if result["outputs_identical"] else 1
+
+
+COST_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cost_curve(backend, context: int = 200) -> dict:
+    """T(n) for n new tokens at batch 1 after ``context`` tokens, and T(n)/T(1): the verification cost."""
+    times = {n: forward_time(backend, n, context) for n in COST_SIZES}
+    return {"context": context, "ms": {str(n): 1e3 * t for n, t in times.items()},
+            "ratio": {str(n): t / times[1] for n, t in times.items()}}

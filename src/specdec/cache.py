@@ -53,6 +53,8 @@ class RaggedCache:
         """Append a block of columns and run the model on it.
 
         tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
+        logits_to_keep: the last m columns (int; 0 = all), or a LongTensor [B, m] of block columns
+        (native backend).
         block_mask: [B, n, n] bool, which new tokens each new token sees (None: causal).
         positions: [B, n] explicit positions of the new tokens (None: live tokens counted in order).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
@@ -75,14 +77,15 @@ class RaggedCache:
         """
         n = positions.shape[1]
         new_valid = self.valid[:, past:]
-        if block_mask is None:
+        tree = block_mask is not None
+        if not tree:
             block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()[None]
         seen = torch.cat([self.valid[:, None, :past].expand(-1, n, -1),
                           block_mask & new_valid[:, None, :]], dim=2)  # [B, n, T]
         if window.sliding is None and window.chunk is None:
             return seen
         key_positions = self.valid.cumsum(1) - 1  # [B, T]
-        if block_mask is not None:
+        if tree:  # siblings share a depth: the block's keys sit at their given positions
             key_positions = torch.cat([key_positions[:, :past], positions], dim=1)
         query, key = positions[:, :, None], key_positions[:, None, :]
         if window.sliding is not None:

@@ -62,7 +62,7 @@ def run_generate(args) -> int:
     if args.drafter == "draft-model" and not args.draft:
         raise InvalidArgumentError("--drafter draft-model needs --draft DIR")
     check_output_path(args.output)
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
     drafter = make_drafter(args.drafter, args)
     out = generate_ids(target, target.encode(prompts), drafter, config)
 

@@ -33,11 +33,22 @@ def drafter_name(value: str) -> str:
     return name
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+BACKENDS = ("auto", "native", "hf")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool = False) -> None:
     parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (Hugging Face layout)")
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
                         help="draft model directory (for --drafter draft-model)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    if several_backends:
+        parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
+                            help="forward pass(es) to measure: native (specdec's own, Llama family), hf "
+                                 "(transformers), auto (native where supported; default); several run side by side")
+    else:
+        parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                            help="native (specdec's own forward pass, Llama family), hf (transformers), "
+                                 "auto (native where supported; default)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
     parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
@@ -54,13 +65,13 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
-def make_drafter(name: str, args):
+def make_drafter(name: str, args, backend: str | None = None):
     """The drafter named on the command line, loaded."""
     from . import drafters
     from .target import parse_dtype
 
     if name == "draft-model":  # callers check that --draft was given before loading anything
-        return drafters.DraftModel(args.draft, dtype=parse_dtype(args.dtype))
+        return drafters.DraftModel(args.draft, dtype=parse_dtype(args.dtype), backend=backend or args.backend)
     if name == "prompt-lookup":
         return drafters.PromptLookup(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     return drafters.NoDraft()

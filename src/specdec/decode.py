@@ -97,11 +97,12 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     prompt_lengths = seqs.lengths.clone()
     rows = torch.arange(batch, device=device)  # original index of each live row
     eos = torch.tensor(target.eos_token_ids or [-1], device=device)
-    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit)
+    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit,
+                            cache_capacity(prompts, config))
     session = drafter.start(context, seqs)
 
     # Prefill: the whole prompt, left-padded; its last logits give the first new token.
-    cache = target.new_cache(batch)
+    cache = target.new_cache(batch, context.cache_capacity)
     tick = time.perf_counter()
     tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
     logits, _ = target.forward(cache, tokens, valid, logits_to_keep=1)
@@ -159,7 +160,17 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
             full = bool((num_accepted == proposal.lengths).all())
             k = min(k + 2, config.k_limit) if full else max(1, k - 1)
 
+    stats.cache_bytes = cache.memory_bytes
+    stats.cache_grown = getattr(cache, "grown", 0)
     return _finish(target, outputs, stats, started)
+
+
+def cache_capacity(prompts: list[list[int]], config: GenerationConfig) -> int:
+    """Columns a KV cache of this generation may hold: every token, a block of drafts, and the holes
+    a ragged batch keeps until ``compact`` (at most max(32, half the longest row))."""
+    longest = max(len(p) for p in prompts) + config.max_new_tokens
+    holes = max(32, longest // 2) if len(prompts) > 1 else 0
+    return longest + config.k_limit + 2 + holes
 
 
 def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,

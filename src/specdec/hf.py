@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
@@ -47,17 +47,7 @@ def quiet():
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> torch.nn.Module:
     """Load a local causal-LM directory offline, in eval mode, with a clear error when it is unusable."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"not a model directory (no config.json): {path}")
-    try:
-        json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"unreadable config.json in {path}: {exc}") from None
-    if not any((path / name).is_file() for name in _WEIGHT_FILES):
-        raise ModelLoadError(f"no weights (model.safetensors) in {path}")
+    path = check_model_dir(path)
     failure = None
     for implementation in ATTENTION_IMPLEMENTATIONS:
         try:
@@ -70,9 +60,38 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     raise ModelLoadError(f"cannot load causal LM from {path}: {failure}")
 
 
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """A model directory with a readable config.json and weights, or a one-line ModelLoadError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"not a model directory (no config.json): {path}")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"unreadable config.json in {path}: {exc}") from None
+    if not any((path / name).is_file() for name in _WEIGHT_FILES):
+        raise ModelLoadError(f"no weights (model.safetensors) in {path}")
+    return path
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_generation_config(path: str | os.PathLike):
+    """The directory's generation config (generation_config.json, else derived from config.json)."""
+    try:
+        with quiet():
+            return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except Exception:
+        try:
+            with quiet():
+                return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        except Exception:
+            return None
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -95,14 +114,13 @@ def max_positions(config) -> int | None:
     return None
 
 
-def eos_token_ids(model) -> tuple[int, ...]:
+def eos_token_ids(config, generation_config=None) -> tuple[int, ...]:
     """Stop tokens from the generation config, falling back to the model config."""
     ids = None
-    generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         ids = generation_config.eos_token_id
     if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
+        ids = getattr(config, "eos_token_id", None)
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
@@ -354,6 +372,26 @@ class HFBackend:
     name: str = "hf"
 
     @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.get_text_config(decoder=True).num_hidden_layers)
+
+    @property
     def attention(self) -> str:
         return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
 
@@ -362,9 +400,9 @@ class HFBackend:
         return f"hf/{self.attention}" + ("/rowwise" if self.mode == "rowwise" else "")
 
     def new_cache(self, batch_size: int, capacity: int | None = None) -> RaggedCache:
-        device = next(self.model.parameters()).device
+        """A ragged cache for ``batch_size`` rows (transformers' caches grow; ``capacity`` is unused)."""
         cls = RowwiseCache if self.mode == "rowwise" else HFCache
-        return cls(self, batch_size, device)
+        return cls(self, batch_size, self.device)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, probe: bool = True) -> "HFBackend":
@@ -412,13 +450,13 @@ class HFBackend:
         windows = [w.sliding or w.chunk for w in self.masks.values() if w.sliding or w.chunk]
         length = min(max([14] + [w + 6 for w in windows if w <= 48]), (max_positions(model.config) or 64) - 1)
         generator = torch.Generator().manual_seed(0)
-        sequence = torch.randint(3, vocab, (length + 8,), generator=generator).to(self._device)
+        sequence = torch.randint(3, vocab, (length + 8,), generator=generator).to(self.device)
         with torch.inference_mode():
             reference = model(input_ids=sequence[None], use_cache=False).logits[0].float()  # [L, V]
         scale = max(1.0, float(reference.abs().max()))
         cache = self.new_cache(2)
         tokens = torch.stack([sequence[:4], torch.cat([sequence[:2].new_zeros(2), sequence[:2]])])
-        valid = torch.tensor([[True] * 4, [False, False, True, True]], device=self._device)
+        valid = torch.tensor([[True] * 4, [False, False, True, True]], device=self.device)
         logits, _ = cache.forward(tokens, valid, logits_to_keep=1)
         errors = [logits[0, -1].float() - reference[3], logits[1, -1].float() - reference[1]]
         done, step = [4, 2], 0
@@ -428,17 +466,13 @@ class HFBackend:
             keep = [3, 1] if step % 2 == 0 else [1, 3]
             for row in range(2):
                 errors.append(logits[row, : keep[row]].float() - reference[done[row]: done[row] + keep[row]])
-            cache.truncate(cache.lengths - 3 + torch.tensor(keep, device=self._device))
+            cache.truncate(cache.lengths - 3 + torch.tensor(keep, device=self.device))
             done = [d + k for d, k in zip(done, keep)]
             if step == 3:
                 cache.compact(slack=0.0, minimum=0)
             step += 1
         error = max(float(e.abs().max()) for e in errors)
         return error / scale
-
-    @property
-    def _device(self):
-        return next(self.model.parameters()).device
 
 
 def _tolerance(model) -> float:
@@ -487,7 +521,7 @@ def foreign_windows(config) -> list[str]:
     return sorted(set(found))
 
 
-def logits_processors(model, prompt_length: int, max_new_tokens: int):
+def logits_processors(model, prompt_length: int, max_new_tokens: int, device=None):
     """The logits processors ``model.generate(do_sample=False)`` applies for a prompt of this length.
 
     Repetition penalty, no-repeat n-grams, forced, suppressed and bad tokens, minimum lengths:
@@ -500,10 +534,19 @@ def logits_processors(model, prompt_length: int, max_new_tokens: int):
     config = copy.deepcopy(config)
     config.do_sample = False
     config.max_new_tokens, config.max_length = max_new_tokens, prompt_length + max_new_tokens
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     with quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # settings generate() itself ignores here, e.g. encoder n-grams
         model._prepare_special_tokens(config, True, device=device)
         processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_length,
                                                  device=device)
     return processors if len(processors) else None
+
+
+def weightless_model(config, generation_config):
+    """The transformers model of ``config`` on the meta device (no weights): for its generation logic."""
+    with quiet(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if generation_config is not None:
+        model.generation_config = generation_config
+    return model

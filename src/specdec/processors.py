@@ -18,21 +18,22 @@ from .batch import Sequences
 
 
 class GenerationProcessors:
-    def __init__(self, model, prompt_lengths: list[int], max_new_tokens: int):
+    def __init__(self, model, prompt_lengths: list[int], max_new_tokens: int, device=None):
         # Processors depend on the prompt length (minimum new tokens, forced EOS), so one list per length.
-        self.lists = {n: hf.logits_processors(model, n, max_new_tokens) for n in sorted(set(prompt_lengths))}
+        self.lists = {n: hf.logits_processors(model, n, max_new_tokens, device)
+                      for n in sorted(set(prompt_lengths))}
         self.names = sorted({type(p).__name__ for procs in self.lists.values() for p in procs or ()})
 
     @classmethod
     def for_target(cls, target, prompts: list[list[int]], max_new_tokens: int) -> "GenerationProcessors | None":
         """None when the target's generation config asks for no logits processing (the usual case)."""
-        model = getattr(target, "model", None)
-        if model is None:
+        if target.generation_config is None:
             return None
         try:
-            processors = cls(model, [len(p) for p in prompts], max_new_tokens)
+            model = target.generation_model()
+            processors = cls(model, [len(p) for p in prompts], max_new_tokens, target.device)
         except Exception as exc:  # an unusual generation config: say what is not applied, once
-            warnings.warn(f"specdec does not apply {type(model).__name__}'s generation-config logits processing "
+            warnings.warn(f"specdec does not apply {target.name}'s generation-config logits processing "
                           f"({hf.first_line(exc)}); outputs may differ from model.generate()", stacklevel=3)
             return None
         return processors if processors.names else None

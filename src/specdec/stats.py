@@ -18,6 +18,8 @@ class Stats:
     batch_size: int = 0
     backend: str = ""                 # how the target ran: "hf/sdpa", "hf/eager/rowwise", "native"
     logits_processors: list[str] = field(default_factory=list)  # generation-config processing applied
+    cache_bytes: int = 0              # the target's KV cache at the end (preallocated size on native)
+    cache_grown: int = 0              # times a preallocated cache had to grow (0 when sized right)
     new_tokens: int = 0
     target_forwards: int = 0          # batched target passes, prefill included
     verify_steps: int = 0             # row-steps: one row verified once
@@ -123,6 +125,7 @@ class Stats:
             "acceptance by position " + " ".join(f"{r:.2f}" for r in self.acceptance_by_position),
             "accepted-length histogram " + " ".join(str(c) for c in self.accepted_histogram),
             f"time: prefill {self.prefill_time:.3f}s, draft {self.draft_time:.3f}s, "
-            f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s",
+            f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s; "
+            f"target KV cache {self.cache_bytes / 2**20:.2f} MiB",
         ]
         return "\n".join(lines)

@@ -8,32 +8,39 @@ from dataclasses import dataclass, field
 import torch
 
 from . import hf
-from .errors import InvalidArgumentError, SpecdecError
+from .errors import InvalidArgumentError, SpecdecError, UnsupportedModelError
+
+
+BACKENDS = ("auto", "native", "hf")
 
 
 @dataclass
 class Target:
     """A loaded causal LM. ``forward`` runs it on a block of columns of a ragged KV cache."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None = None  # the transformers model; None on the native backend
     tokenizer: object | None = None
     name: str = "target"
     eos_token_ids: tuple[int, ...] = field(default=())
-    backend: object = None  # how the model runs on a ragged cache (hf.HFBackend); decided at load
+    backend: object = None  # how the model runs on a ragged cache (hf.HFBackend, native.NativeBackend)
+    generation_config: object = None
+    path: str | None = None  # the model directory, when loaded from one
 
     def __post_init__(self):
-        if not self.eos_token_ids:
-            self.eos_token_ids = hf.eos_token_ids(self.model)
         if self.backend is None:
             self.backend = hf.HFBackend.for_model(self.model)
+        if self.generation_config is None and self.model is not None:
+            self.generation_config = getattr(self.model, "generation_config", None)
+        if not self.eos_token_ids:
+            self.eos_token_ids = hf.eos_token_ids(self.config, self.generation_config)
 
     @property
     def config(self):
-        return self.model.config
+        return self.backend.config
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return self.backend.vocab_size
 
     @property
     def max_positions(self) -> int | None:
@@ -41,11 +48,11 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.backend.device
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return self.backend.num_layers
 
     @property
     def pad_token_id(self) -> int:
@@ -55,6 +62,14 @@ class Target:
         if pad is None:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         return int(pad)
+
+    def generation_model(self):
+        """A transformers model for generation-config logic: the model itself, or a weightless one."""
+        if self.model is not None:
+            return self.model
+        if getattr(self, "_weightless", None) is None:
+            self._weightless = hf.weightless_model(self.config, self.generation_config)
+        return self._weightless
 
     def new_cache(self, batch_size: int, capacity: int | None = None):
         """A ragged KV cache for ``batch_size`` rows of up to ``capacity`` tokens (None: grows)."""
@@ -102,12 +117,33 @@ class Target:
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-                device: str | torch.device = "cpu") -> Target:
-    """Load a local Hugging Face causal-LM directory (config, weights, tokenizer), offline."""
+                device: str | torch.device = "cpu", backend: str = "auto") -> Target:
+    """Load a local Hugging Face causal-LM directory (config, weights, tokenizer), offline.
+
+    ``backend``: "native" runs specdec's own forward pass (Llama, Qwen2, Qwen3, Mistral), "hf" runs
+    transformers' model, "auto" picks native where it is supported and transformers elsewhere.
+    """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
+    runner, model = load_backend(path, dtype, device, backend)
+    return Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path), backend=runner,
+                  generation_config=hf.load_generation_config(path) if model is None else None, path=str(path))
+
+
+def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: str = "auto"):
+    """(backend, transformers model or None) for a model directory; shared by targets and draft models."""
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    hf.check_model_dir(path)
+    if backend != "hf":
+        from .native import NativeBackend
+        reason = NativeBackend.supports(path)
+        if reason is None:
+            return NativeBackend.load(path, dtype=dtype, device=device), None
+        if backend == "native":
+            raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}")
     model = hf.load_causal_lm(path, dtype=dtype, device=device)
-    return Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path))
+    return hf.HFBackend.for_model(model), model
 
 
 def parse_dtype(name: str) -> torch.dtype:

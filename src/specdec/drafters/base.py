@@ -42,6 +42,7 @@ class DecodeContext:
     generator: torch.Generator | None
     max_new_tokens: int
     max_draft_tokens: int          # upper bound on k for this call (adaptive k never exceeds it)
+    cache_capacity: int | None = None  # columns a KV cache of this call may need (preallocating backends)
 
 
 class DraftSession(Protocol):

@@ -16,24 +16,29 @@ from ..batch import Sequences
 from ..errors import ContextLengthError, VocabularyMismatchError
 from ..sampling import probabilities, sample
 from .base import DecodeContext, Proposal
+from ..target import load_backend
 
 
 class DraftModel:
     name = "draft-model"
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", backend: str = "auto"):
+        """``model``: a model directory, or a transformers model already loaded (runs on "hf").
+
+        ``backend`` as for ``load_target``: "native", "hf" or "auto" (native where supported).
+        """
         if isinstance(model, torch.nn.Module):
             self.model, self.tokenizer, self.path = model.eval(), None, None
+            self.backend = hf.HFBackend.for_model(self.model)
         else:
-            self.model = hf.load_causal_lm(model, dtype=dtype, device=device)
+            self.backend, self.model = load_backend(model, dtype, device, backend)
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
-        self.backend = hf.HFBackend.for_model(self.model)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return self.backend.vocab_size
 
     def check_compatible(self, target) -> None:
         """Same token ids must mean the same strings, or drafts are meaningless to the target."""
@@ -48,7 +53,7 @@ class DraftModel:
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DraftModelSession":
         self.check_compatible(context.target)
-        window = hf.max_positions(self.model.config)
+        window = hf.max_positions(self.backend.config)
         needed = int(seqs.lengths.max()) + context.max_new_tokens
         if window is not None and needed > window:
             raise ContextLengthError(
@@ -62,7 +67,7 @@ class DraftModelSession:
         self.generator = context.generator
         self.pad = context.target.pad_token_id
         self.target_vocab = target_vocab
-        self.cache = backend.new_cache(batch_size)
+        self.cache = backend.new_cache(batch_size, context.cache_capacity)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""

@@ -1,0 +1,261 @@
+"""The native backend: the Llama family on specdec's own forward pass over a preallocated KV cache.
+
+``NativeBackend`` wraps a ``models.llama.Llama``; ``NativeCache`` is a ``RaggedCache`` (per-row
+validity and lengths, one rollback primitive) whose keys and values live in one buffer allocated
+once per generation, [layers, 2, B, kv_heads, capacity, head_dim]. A block's entries are written
+in place at columns [past, past + n); rolling back just lowers the column count, so the next block
+overwrites the rejected columns. Only row removal and compaction copy, and the buffer grows (by
+doubling, counted in ``grown``) only when a block would pass the capacity given at creation.
+
+Beyond ``forward``, a block can stop part-way up the network and continue later (``begin``,
+``advance``, ``finish``), for early-exit drafters that run the first layers of the target.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .cache import FULL, RaggedCache, Window
+from .errors import InvalidArgumentError
+from .models import llama
+
+DEFAULT_CAPACITY = 256
+
+
+@dataclass
+class Block:
+    """A block of new columns on its way up the network.
+
+    Everything that depends only on the block (attention masks, RoPE rotations) is computed once
+    when it starts, so its layers can run in several calls without redoing the bookkeeping.
+    """
+
+    hidden: torch.Tensor                   # [B * n, H]: the input of layer ``layer``
+    shape: tuple[int, int]                 # (B, n)
+    past: int                              # the block's first cache column
+    layer: int                             # the next layer to run; num_layers when all have run
+    rope: torch.Tensor                     # [B, n, 1, D/2] complex
+    masks: dict[Window, torch.Tensor | None]  # window -> additive mask [B, 1, n * g or 1, past + n]
+    slots: llama.Slots                     # where its layers write and read in the cache
+    work: llama.Scratch                    # work buffers of its shape
+    hidden_layers: tuple[int, ...] = ()    # taps requested, transformers' indexing (see NativeCache.begin)
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> [B, n, H]
+
+    @property
+    def states(self) -> torch.Tensor:
+        """The hidden states at ``layer``: [B, n, H] (not normed; ``Llama.logits`` applies the head)."""
+        return self.hidden.view(*self.shape, -1)
+
+
+class NativeCache(RaggedCache):
+    """A preallocated KV cache and the forward pass over it.
+
+    ``forward`` (from RaggedCache) runs a whole block. A layer range splits it:
+
+        block = cache.begin(tokens, valid, stop=b)   # bookkeeping once, layers [0, b)
+        draft_logits = backend.model.logits(block.states)  # e.g. an early exit at layer b
+        logits, hidden = cache.finish(block, logits_to_keep=...)  # layers [b, L), the head
+
+    ``advance(block, stop)`` runs layers [block.layer, stop) in between. Finish (or abandon) a
+    block before the next ``forward``/``begin``/``truncate``: the upper layers of an abandoned
+    block leave unwritten cache entries, which a ``truncate`` below it makes harmless.
+    """
+
+    def __init__(self, backend: "NativeBackend", batch_size: int, capacity: int | None = None):
+        model = backend.model
+        super().__init__(batch_size, model.device, getattr(model.config, "max_position_embeddings", None))
+        self.model = model
+        self.grown = 0  # reallocations because a block passed the capacity
+        capacity = max(1, capacity or DEFAULT_CAPACITY)
+        self.kv = llama.new_kv(model, batch_size, capacity)  # [L, 2, B, kv, capacity, D]
+        model.reserve(capacity)
+        self.scratch: dict[tuple[int, int], llama.Scratch] = {}  # (B, n) -> work buffers
+        self._stop: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def begin(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, stop: int = 0,
+              hidden_layers: tuple[int, ...] = (), block_mask: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> Block:
+        """Append a block (its only bookkeeping) and run layers [0, stop); returns it at ``stop``.
+
+        Arguments as in ``forward``. ``hidden_layers`` index transformers' ``hidden_states``: 0 is
+        the embedding output, i the output of layer i, num_layers the final-normed output; they
+        come back from ``finish``.
+        """
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+        self._stop = stop
+        try:
+            return self.forward(tokens, valid, 1, hidden_layers, block_mask, positions)
+        finally:
+            self._stop = None
+
+    @torch.inference_mode()
+    def advance(self, block: Block, stop: int) -> Block:
+        """Run layers [block.layer, stop) of ``block``, writing their cache entries."""
+        model = self.model
+        stop = min(stop, len(model.layers))
+        for index in range(block.layer, stop):
+            mask = block.masks[model.layers[index].window]
+            block.hidden = llama.decoder_layer(model, index, block.hidden, block.rope, mask, block.slots,
+                                               block.work)
+            block.layer = index + 1
+            if block.layer in block.hidden_layers and block.layer < len(model.layers):
+                block.taps[block.layer] = block.states
+        return block
+
+    @torch.inference_mode()
+    def finish(self, block: Block, logits_to_keep: int | torch.Tensor = 1):
+        """Run the remaining layers and the head; returns what ``forward`` returns.
+
+        That is logits [B, m, V] and hidden states [B, n, len(hidden_layers), H] or None.
+        logits_to_keep: an int m, the last m columns of the block (0: all), or a LongTensor [B, m]
+        of column indices inside the block.
+        """
+        model, last = self.model, len(self.model.layers)
+        self.advance(block, last)
+        states = block.states  # [B, n, H]
+        normed = last in block.hidden_layers  # transformers' last hidden state is the final-normed one
+        if normed:
+            states = llama.normalize(states, model.eps_hidden)
+            block.taps[last] = states * model.norm
+        if isinstance(logits_to_keep, torch.Tensor):
+            states = states.gather(1, logits_to_keep[:, :, None].expand(-1, -1, states.shape[2]))
+        elif logits_to_keep:
+            states = states[:, -logits_to_keep:]
+        logits = states @ model.head if normed else model.logits(states)  # [B, m, V]
+        hidden = None
+        if block.hidden_layers:
+            hidden = torch.stack([block.taps[i] for i in block.hidden_layers], dim=2)
+        return logits, hidden
+
+    # RaggedCache hooks.
+    @torch.inference_mode()
+    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
+        block = self._start(tokens, positions, past, hidden_layers, block_mask)
+        if self._stop is not None:
+            return self.advance(block, self._stop)
+        return self.finish(block, logits_to_keep)
+
+    def _start(self, tokens, positions, past, hidden_layers, block_mask) -> Block:
+        model = self.model
+        batch, n = tokens.shape
+        if past + n > self.capacity:
+            self._grow(past, past + n)
+        windows = dict.fromkeys(layer.window for layer in model.layers)
+        if n == 1 and block_mask is None and windows.keys() == {FULL} and bool(self.valid.all()):
+            masks = {FULL: None}  # one token that sees every column (plain decoding): no mask at all
+        else:
+            masks = {window: self._mask(positions, past, block_mask, window) for window in windows}
+        count = len(model.layers) + 1
+        if any(not -count <= i < count for i in hidden_layers):
+            raise InvalidArgumentError(f"hidden_layers {hidden_layers} outside [-{count}, {count})")
+        hidden_layers = tuple(i % count for i in hidden_layers)
+        x = F.embedding(tokens.reshape(-1), model.embed)  # [B * n, H]
+        block = Block(x, (batch, n), past, 0, model.rope(positions), masks, llama.slots(self.kv, past, n),
+                      self._scratch(batch, n), hidden_layers)
+        if 0 in hidden_layers:
+            block.taps[0] = block.states
+        return block
+
+    def _scratch(self, batch: int, n: int) -> llama.Scratch:
+        """Work buffers for this block shape; kept for small blocks, which recur every step."""
+        work = self.scratch.get((batch, n))
+        if work is None:
+            work = llama.scratch(self.model, batch, n)
+            if batch * n <= 256:
+                self.scratch[(batch, n)] = work
+        return work
+
+    def _mask(self, positions, past, block_mask, window) -> torch.Tensor:
+        seen = self.visible(positions, past, block_mask, window)  # [B, n, T]
+        return llama.additive_mask(seen, self.model.group, self.model.dtype)
+
+    def _grow(self, past: int, needed: int) -> None:
+        kv = self.kv.new_zeros(*self.kv.shape[:4], max(needed, 2 * self.capacity), self.kv.shape[5])
+        kv[:, :, :, :, :past] = self.kv[:, :, :, :, :past]
+        self.kv = kv
+        self.model.reserve(self.capacity)
+        self.grown += 1
+
+    def _truncated(self, stop: int) -> None:
+        pass  # columns from ``stop`` on are overwritten by the next block
+
+    @torch.inference_mode()
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self.kv = self.kv.index_select(2, index)
+        self.scratch.clear()  # shaped for the old batch size
+
+    @torch.inference_mode()
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        layers, two, batch, heads, _, dim = self.kv.shape
+        width = order.shape[1]
+        index = order[None, None, :, None, :, None].expand(layers, two, batch, heads, width, dim)
+        self.kv[:, :, :, :, :width] = self.kv.gather(4, index)
+
+
+class NativeBackend:
+    """A Llama-family model on specdec's own forward pass (the transformers backend: ``hf.HFBackend``)."""
+
+    name = "native"
+
+    def __init__(self, model: llama.Llama):
+        self.model = model
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> "NativeBackend":
+        return cls(llama.load(path, dtype, device))
+
+    @staticmethod
+    def supports(path_or_config) -> str | None:
+        """None when the native backend runs this model directory or HF config, else the reason."""
+        if isinstance(path_or_config, (str, os.PathLike)):
+            try:
+                config = llama.read_config(path_or_config)
+            except Exception as exc:
+                return str(exc)
+            path = os.fspath(path_or_config)
+            safetensors = any(os.path.isfile(os.path.join(path, name))
+                              for name in ("model.safetensors", "model.safetensors.index.json"))
+            return llama.unsupported(config) or (
+                None if safetensors else "no safetensors weights (the native backend reads no pickle files)")
+        return llama.unsupported(path_or_config)
+
+    @property
+    def description(self) -> str:
+        return f"native/{self.config.model_type}"
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def new_cache(self, batch_size: int, capacity: int | None = None) -> NativeCache:
+        """A cache for ``batch_size`` rows; size ``capacity`` for the longest prompt + new tokens + draft."""
+        return NativeCache(self, batch_size, capacity)
