@@ -38,6 +38,7 @@ class RaggedCache:
         self.max_position = (max_positions or 2**62) - 1
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, T]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)   # [B] live tokens per row
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, T] of each column
 
     @property
     def columns(self) -> int:
@@ -55,7 +56,9 @@ class RaggedCache:
         tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
         logits_to_keep: the last m columns (int; 0 = all), or a LongTensor [B, m] of block columns
         (native backend).
-        block_mask: [B, n, n] bool, which new tokens each new token sees (None: causal).
+        block_mask: [B, n, m] bool (m >= n): which of the last m columns (the m - n columns before
+        the block, then the block) each new token sees; earlier live columns are always seen.
+        None: causal within the block. Token trees use it with explicit ``positions`` (depths).
         positions: [B, n] explicit positions of the new tokens (None: live tokens counted in order).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
@@ -65,6 +68,7 @@ class RaggedCache:
         positions = positions.clamp(0, self.max_position)
         past = self.columns
         self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
         self.lengths = self.lengths + rank[:, -1]
         return self._run(tokens, positions, past, logits_to_keep, hidden_layers, block_mask)
 
@@ -76,17 +80,15 @@ class RaggedCache:
         with holes sees exactly the keys it would see alone.
         """
         n = positions.shape[1]
-        new_valid = self.valid[:, past:]
         tree = block_mask is not None
         if not tree:
             block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()[None]
-        seen = torch.cat([self.valid[:, None, :past].expand(-1, n, -1),
-                          block_mask & new_valid[:, None, :]], dim=2)  # [B, n, T]
+        start = past + n - block_mask.shape[2]  # first column the block mask covers
+        seen = torch.cat([self.valid[:, None, :start].expand(-1, n, -1),
+                          block_mask & self.valid[:, None, start:]], dim=2)  # [B, n, T]
         if window.sliding is None and window.chunk is None:
             return seen
-        key_positions = self.valid.cumsum(1) - 1  # [B, T]
-        if tree:  # siblings share a depth: the block's keys sit at their given positions
-            key_positions = torch.cat([key_positions[:, :past], positions], dim=1)
+        key_positions = self.positions  # [B, T]
         query, key = positions[:, :, None], key_positions[:, None, :]
         if window.sliding is not None:
             seen = seen & (query - key < window.sliding)
@@ -94,8 +96,14 @@ class RaggedCache:
             seen = seen & (query // window.chunk == key // window.chunk)
         return seen
 
-    def truncate(self, lengths: torch.Tensor) -> None:
-        """Keep only the first ``lengths[b]`` live tokens of each row (lengths: [B])."""
+    def truncate(self, lengths: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Keep only the first ``lengths[b]`` live tokens of each row (lengths: [B]).
+
+        keep: [B, m] bool over the last m columns, for trees: the branches not taken are dropped
+        first, so the accepted path's columns (written at their depths) line up after the context.
+        """
+        if keep is not None:
+            self.valid[:, self.columns - keep.shape[1]:] &= keep
         live_rank = self.valid.long().cumsum(1)  # [B, T]
         self.valid = self.valid & (live_rank <= lengths[:, None])
         self.lengths = torch.minimum(self.lengths, lengths)
@@ -103,12 +111,14 @@ class RaggedCache:
         stop = int(used[-1]) + 1 if used.numel() else 0
         if stop < self.columns:
             self.valid = self.valid[:, :stop]
+            self.positions = self.positions[:, :stop]
         self._truncated(stop)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (finished rows leave the batch)."""
         self.valid = self.valid.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
         self._select_rows(index)
 
     def compact(self, slack: float = 0.5, minimum: int = 32) -> bool:
@@ -119,6 +129,7 @@ class RaggedCache:
         # A stable sort on validity puts each row's holes first and its live columns after, in order.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.columns - longest:]
         self.valid = self.valid.gather(1, order)
+        self.positions = self.positions.gather(1, order)
         self._gather_columns(order)
         return True
 

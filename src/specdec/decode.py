@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from .batch import Sequences
-from .drafters.base import DecodeContext, Drafter, Proposal
+from .drafters.base import DecodeContext, Drafter, Proposal, TreeConfig
 from .drafters.none import NoDraft
-from .errors import ContextLengthError, InvalidArgumentError
+from .errors import ContextLengthError, InvalidArgumentError, UnsupportedModelError
 from .processors import GenerationProcessors
 from .sampling import SamplingConfig, probabilities, sample
 from .stats import Stats
 from .target import Target
-from .verify import verify_greedy, verify_sampling
+from .verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 SCHEDULES = ("constant", "heuristic")
 
@@ -33,6 +33,7 @@ class GenerationConfig:
     seed: int = 0
     draft_schedule: str = "constant"  # "heuristic": +2 after a fully accepted step, -1 otherwise
     max_draft_tokens: int = 32        # cap for the heuristic schedule
+    tree: TreeConfig | None = None    # token trees instead of chains (num_draft_tokens is then unused)
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -45,6 +46,9 @@ class GenerationConfig:
 
     @property
     def k_limit(self) -> int:
+        """The widest block of drafts a step may verify."""
+        if self.tree is not None:
+            return self.tree.num_nodes
         if self.draft_schedule == "constant":
             return self.num_draft_tokens
         return max(self.num_draft_tokens, self.max_draft_tokens)
@@ -69,17 +73,24 @@ def check_context(target: Target, prompts: list[list[int]], config: GenerationCo
 
 def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int = 5,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant") -> GenerationOutput:
-    """Generate from a batch of prompts (str or list of token ids), losslessly sped up by ``drafter``."""
+             top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant",
+             tree: TreeConfig | None = None) -> GenerationOutput:
+    """Generate from a batch of prompts (str or list of token ids), losslessly sped up by ``drafter``.
+
+    ``tree``: verify token trees (``TreeConfig(depth, topk, num_nodes)``) instead of chains of k.
+    """
     config = GenerationConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
                               sampling=SamplingConfig(temperature, top_k, top_p), seed=seed,
-                              draft_schedule=draft_schedule)
+                              draft_schedule=draft_schedule, tree=tree)
     return generate_ids(target, target.encode(prompts), drafter or NoDraft(), config)
 
 
 def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
                  config: GenerationConfig) -> GenerationOutput:
     check_context(target, prompts, config)
+    if config.tree is not None and not getattr(target.backend, "supports_trees", True):
+        raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees: "
+                                    f"{target.backend.reason or 'it cannot take a tree attention mask'}")
     started = time.perf_counter()
     device = target.device
     batch = len(prompts)
@@ -98,7 +109,7 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     rows = torch.arange(batch, device=device)  # original index of each live row
     eos = torch.tensor(target.eos_token_ids or [-1], device=device)
     context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit,
-                            cache_capacity(prompts, config))
+                            cache_capacity(prompts, config), config.tree)
     session = drafter.start(context, seqs)
 
     # Prefill: the whole prompt, left-padded; its last logits give the first new token.
@@ -135,14 +146,15 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         stats.draft_time += time.perf_counter() - tick
 
         tick = time.perf_counter()
-        num_accepted, next_token = _verify(target, cache, seqs, proposal, config.sampling, generator,
-                                           processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg,
-                                                                                       proposal.tokens)))
+        process = processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg, proposal.tokens,
+                                                               proposal.parents))
+        num_accepted, next_token, accepted, keep = _verify(target, cache, seqs, proposal, config.sampling,
+                                                           generator, process)
         # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
         if proposal.k:
-            cache.truncate(cache.lengths - proposal.lengths + num_accepted)
+            cache.truncate(cache.lengths - proposal.lengths + num_accepted, keep)
             cache.compact()
-        new_tokens = torch.cat([proposal.tokens, next_token[:, None]], dim=1)
+        new_tokens = torch.cat([accepted, next_token[:, None]], dim=1)
         new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
         counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, eos)
         counts = torch.minimum(counts, config.max_new_tokens - generated)
@@ -155,7 +167,11 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         tick = time.perf_counter()
         session.accepted(seqs, num_accepted)
         stats.draft_time += time.perf_counter() - tick
-        stats.record_step(proposal.k, proposal.lengths, num_accepted)
+        if proposal.is_tree:
+            deepest = proposal.depths().max(1).values if proposal.k else proposal.lengths
+            stats.record_step(int(deepest.max()) if proposal.k else 0, deepest, num_accepted, proposal.lengths)
+        else:
+            stats.record_step(proposal.k, proposal.lengths, num_accepted)
         if config.draft_schedule == "heuristic":
             full = bool((num_accepted == proposal.lengths).all())
             k = min(k + 2, config.k_limit) if full else max(1, k - 1)
@@ -169,24 +185,51 @@ def cache_capacity(prompts: list[list[int]], config: GenerationConfig) -> int:
     """Columns a KV cache of this generation may hold: every token, a block of drafts, and the holes
     a ragged batch keeps until ``compact`` (at most max(32, half the longest row))."""
     longest = max(len(p) for p in prompts) + config.max_new_tokens
-    holes = max(32, longest // 2) if len(prompts) > 1 else 0
+    holes = max(32, longest // 2) + config.k_limit if len(prompts) > 1 or config.tree else 0
     return longest + config.k_limit + 2 + holes
 
 
 def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
             sampling: SamplingConfig, generator: torch.Generator, process=None):
-    """One target pass over [pending, drafts]; returns (num_accepted [B], next_token [B])."""
+    """One target pass over [pending, drafts]: the chain, or the whole tree under a tree mask.
+
+    Returns (num_accepted [B], next_token [B], accepted tokens [B, D] (row b keeps its first
+    num_accepted[b]), keep [B, k+1] bool over the block's columns for trees, else None).
+    """
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]
-    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+    if not proposal.is_tree:
+        logits, _ = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+        if process is not None:
+            logits = process(logits)
+        if sampling.greedy:
+            num_accepted, next_token = verify_greedy(logits, proposal.tokens, proposal.lengths)
+        else:
+            num_accepted, next_token = verify_sampling(probabilities(logits, sampling), proposal.tokens,
+                                                       proposal.lengths, proposal.probs, generator)
+        return num_accepted, next_token, proposal.tokens, None
+    parents, lengths = proposal.parents, proposal.lengths
+    batch, size = proposal.tokens.shape
+    mask = torch.zeros(batch, size + 1, size + 1, dtype=torch.bool, device=tokens.device)
+    mask[:, :, 0] = True  # everyone sees the pending token (the root)
+    mask[:, 1:, 1:] = ancestor_mask(parents, lengths)
+    depth = torch.cat([torch.zeros_like(pending), proposal.depths()], dim=1)
+    positions = (seqs.lengths - 1)[:, None] + depth
+    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=size + 1, block_mask=mask, positions=positions)
     if process is not None:
         logits = process(logits)
     if sampling.greedy:
-        return verify_greedy(logits, proposal.tokens, proposal.lengths)
-    return verify_sampling(probabilities(logits, sampling), proposal.tokens, proposal.lengths,
-                           proposal.probs, generator)
+        num_accepted, path, next_token = verify_tree_greedy(logits, proposal.tokens, parents, lengths)
+    else:
+        num_accepted, path, next_token = verify_tree_sampling(probabilities(logits, sampling), proposal.probs,
+                                                              proposal.tokens, parents, lengths, generator)
+    accepted = proposal.tokens.gather(1, path.clamp(min=0))  # [B, D]
+    keep = torch.zeros(batch, size + 1, dtype=torch.bool, device=tokens.device)
+    keep[:, 0] = True
+    keep.scatter_(1, path + 1, True)  # -1 padding marks the root again
+    return num_accepted, next_token, accepted, keep
 
 
 def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):

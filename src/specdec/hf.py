@@ -370,6 +370,21 @@ class HFBackend:
     mask_by_kind: bool = False                    # the model takes a dict of masks by layer kind
     reason: str = ""                              # why rowwise, when it is
     name: str = "hf"
+    noise: float = 0.0                            # probe error of the row-by-row run (float noise)
+    trees: bool | None = field(default=None, repr=False)  # takes tree masks (decided when first asked)
+
+    @property
+    def supports_trees(self) -> bool:
+        """Whether token trees can be verified: a 4D mask must reproduce each row alone."""
+        if self.mode == "rowwise":
+            return False
+        if self.trees is None:
+            variant = self if self.masks else HFBackend(self.model, masks={"full_attention": FULL})
+            try:
+                self.trees = variant.probe(tree=True) <= max(_tolerance(self.model), 4 * self.noise)
+            except Exception:
+                self.trees = False
+        return self.trees
 
     @property
     def config(self):
@@ -435,15 +450,19 @@ class HFBackend:
             except Exception:
                 continue
             if error <= max(_tolerance(model), 4 * baseline):
+                candidate.noise = baseline
                 return candidate
+        rowwise.noise = baseline
         return rowwise
 
-    def probe(self) -> float:
+    def probe(self, tree: bool = False) -> float:
         """Largest relative logit error of ragged, rolled-back, compacted rows against each row alone.
 
         Two rows advance in blocks of three tokens; each step one row keeps its whole block and the
         other keeps one token, so the cache grows holes and left padding, then gets compacted. The
         sequence runs past the model's shortest attention window where that window is short.
+        ``tree``: each block is a small tree (a decoy sibling beside the true next token) under a
+        tree mask, and the decoy is dropped afterwards.
         """
         model = self.model
         vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -462,8 +481,22 @@ class HFBackend:
         done, step = [4, 2], 0
         while min(done) < length:
             block = torch.stack([sequence[d: d + 3] for d in done])  # [2, 3]
-            logits, _ = cache.forward(block, torch.ones_like(block, dtype=torch.bool), logits_to_keep=3)
+            everyone = torch.ones_like(block, dtype=torch.bool)
             keep = [3, 1] if step % 2 == 0 else [1, 3]
+            if tree:  # [t0, decoy, t1, t2]: the decoy is t0's sibling; t1 hangs from t0
+                decoy = (block[:, :1] + 1) % vocab
+                block = torch.cat([block[:, :1], decoy, block[:, 1:]], dim=1)
+                mask = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]],
+                                    dtype=torch.bool, device=self.device).expand(2, 4, 4)
+                depth = torch.tensor([0, 0, 1, 2], device=self.device)
+                positions = cache.lengths[:, None] + depth
+                logits, _ = cache.forward(block, torch.ones_like(block, dtype=torch.bool), logits_to_keep=4,
+                                          block_mask=mask, positions=positions)
+                logits = logits[:, [0, 2, 3]]
+                columns = torch.tensor([[True, False, True, True]], device=self.device).expand(2, 4).clone()
+                cache.truncate(cache.lengths - 4 + 3, columns)
+            else:
+                logits, _ = cache.forward(block, everyone, logits_to_keep=3)
             for row in range(2):
                 errors.append(logits[row, : keep[row]].float() - reference[done[row]: done[row] + keep[row]])
             cache.truncate(cache.lengths - 3 + torch.tensor(keep, device=self.device))

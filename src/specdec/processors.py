@@ -39,8 +39,9 @@ class GenerationProcessors:
         return processors if processors.names else None
 
     def apply(self, seqs: Sequences, prompt_lengths: torch.Tensor, logits: torch.Tensor,
-              drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """Processed logits [B, m, V]: position j of row b continues its committed tokens + drafts[b, :j].
+              drafts: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed logits [B, m, V]: position j of row b continues its committed tokens + drafts[b, :j],
+        or for a tree (``parents`` [B, m - 1]) the drafts on the path to node j - 1.
 
         prompt_lengths: [B] of the live rows; drafts: [B, m - 1] or None (m = 1).
         """
@@ -54,5 +55,13 @@ class GenerationProcessors:
             if drafts is not None:
                 context = torch.cat([context, drafts[row]])
             for j in range(logits.shape[1]):
-                out[row, j] = processors(context[None, : length + j], out[row, j][None])[0]
+                if parents is None or j == 0:
+                    ids = context[: length + j]
+                else:  # the committed tokens, then the path root -> node j - 1
+                    path, node = [], j - 1
+                    while node >= 0:
+                        path.append(length + node)
+                        node = int(parents[row, node])
+                    ids = torch.cat([context[:length], context[path[::-1]]])
+                out[row, j] = processors(ids[None], out[row, j][None])[0]
         return out

@@ -27,7 +27,7 @@ class Stats:
     drafts_accepted: int = 0
     drafts_evaluated: int = 0         # drafts the acceptance rule looked at (up to the first rejection)
     tokens_from_steps: int = 0        # sum over row-steps of accepted drafts + 1
-    k_sum: int = 0                    # sum over row-steps of drafts proposed, for the mean k
+    k_sum: int = 0                    # sum over row-steps of drafts proposed (tree nodes), for the mean k
     proposed_at: list[int] = field(default_factory=list)   # [j] row-steps proposing >= j+1 drafts
     accepted_at: list[int] = field(default_factory=list)   # [j] row-steps accepting >= j+1 drafts
     accepted_histogram: list[int] = field(default_factory=list)  # [a] row-steps accepting exactly a
@@ -38,24 +38,30 @@ class Stats:
     total_time: float = 0.0
     _steps: list = field(default_factory=list, repr=False)  # (proposed [B], accepted [B]) per step
 
-    def record_step(self, k: int, proposed: torch.Tensor, accepted: torch.Tensor) -> None:
-        """proposed, accepted: [B] drafts per live row in one verification step (tallied in finalize)."""
+    def record_step(self, k: int, proposed: torch.Tensor, accepted: torch.Tensor,
+                    nodes: torch.Tensor | None = None) -> None:
+        """proposed, accepted: [B] drafts per live row in one verification step (tallied in finalize).
+
+        Trees: ``proposed`` is each row's deepest draft (acceptance is counted per depth) and
+        ``nodes`` [B] the drafts it verified; chains verify ``proposed`` drafts.
+        """
         self.k_history.append(k)
-        self._steps.append((proposed, accepted))
+        self._steps.append((proposed, accepted, proposed if nodes is None else nodes))
 
     def finalize(self) -> None:
         """Fold the recorded steps into the counters: one pass at the end, nothing in the decode loop."""
         if not self._steps:
             return
-        proposed = torch.cat([p for p, _ in self._steps])  # [row-steps]
-        accepted = torch.cat([a for _, a in self._steps])
+        proposed = torch.cat([p for p, _, _ in self._steps])  # [row-steps]
+        accepted = torch.cat([a for _, a, _ in self._steps])
+        nodes = torch.cat([n for _, _, n in self._steps])
         self._steps = []
         width = max(max(self.k_history), 1)
         slots = torch.arange(1, width + 1, device=proposed.device)
         rows = proposed.shape[0]
         self.verify_steps += rows
-        self.drafts_proposed += int(proposed.sum())
-        self.k_sum += int(proposed.sum())
+        self.drafts_proposed += int(nodes.sum())
+        self.k_sum += int(nodes.sum())
         self.drafts_accepted += int(accepted.sum())
         self.drafts_evaluated += int(accepted.sum()) + int((accepted < proposed).sum())
         self.tokens_from_steps += int(accepted.sum()) + rows
@@ -101,6 +107,12 @@ class Stats:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
 
     @property
+    def tokens_per_verified_token(self) -> float:
+        """Tokens committed per token the target verified (pending token + drafts or tree nodes)."""
+        verified = self.k_sum + self.verify_steps
+        return self.tokens_from_steps / verified if verified else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time if self.total_time else 0.0
 
@@ -108,7 +120,8 @@ class Stats:
         data = asdict(self)
         del data["_steps"]
         for name in ("mean_accepted_length", "acceptance_rate", "alpha", "mean_k",
-                     "predicted_mean_accepted_length", "acceptance_by_position", "tokens_per_second"):
+                     "predicted_mean_accepted_length", "acceptance_by_position", "tokens_per_second",
+                     "tokens_per_verified_token"):
             data[name] = getattr(self, name)
         return data
 

@@ -13,24 +13,61 @@ from typing import Protocol
 import torch
 
 from ..batch import Sequences
+from ..errors import InvalidArgumentError
 from ..sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Drafts for every live row."""
+    """Drafts for every live row: a chain of k tokens, or a tree of k nodes (``parents`` given)."""
 
     tokens: torch.Tensor              # [B, k] long; slots at or past `lengths` are padding
-    lengths: torch.Tensor             # [B] long, drafts per row, 0..k
+    lengths: torch.Tensor             # [B] long, drafts (tree nodes) per row, 0..k
     probs: torch.Tensor | None = None  # [B, k, V] distributions the drafts were sampled from; None = one-hot
+    parents: torch.Tensor | None = None  # [B, k] long, trees only: parent node, -1 = the pending token;
+                                         # nodes in order of depth (a parent before its children)
 
     @property
     def k(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def depths(self) -> torch.Tensor:
+        """[B, k] depth of each draft (1 = right after the pending token); chains: 1..k."""
+        if self.parents is None:
+            return torch.arange(1, self.k + 1, device=self.tokens.device).expand(self.tokens.shape[0], -1)
+        from ..verify.tree import depths
+        return depths(self.parents, self.lengths)
+
     def clamp(self, max_lengths: torch.Tensor) -> "Proposal":
-        """Limit rows to max_lengths[b] drafts (no row drafts past its token budget)."""
-        return Proposal(self.tokens, torch.minimum(self.lengths, max_lengths), self.probs)
+        """Limit rows to max_lengths[b] drafts in depth (no row drafts past its token budget)."""
+        if self.parents is None:
+            return Proposal(self.tokens, torch.minimum(self.lengths, max_lengths), self.probs)
+        # Nodes come in order of depth, so the nodes within the budget are a prefix.
+        within = (self.depths() <= max_lengths[:, None]).sum(1)
+        return Proposal(self.tokens, torch.minimum(self.lengths, within), self.probs, self.parents)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Token trees instead of chains: ``depth`` drafts deep, ``topk`` children per expanded node,
+    ``num_nodes`` drafts verified per step (SGLang: --speculative-num-steps = depth,
+    --speculative-eagle-topk = topk, --speculative-num-draft-tokens = num_nodes + 1, the root counted)."""
+
+    depth: int = 5
+    topk: int = 4
+    num_nodes: int = 16
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1 or self.num_nodes < 1:
+            raise InvalidArgumentError(f"tree depth, topk and num_nodes must be >= 1, got depth {self.depth}, "
+                                       f"topk {self.topk}, num_nodes {self.num_nodes}")
+        if self.num_nodes < self.depth:
+            raise InvalidArgumentError(f"a tree of depth {self.depth} needs num_nodes >= {self.depth}, "
+                                       f"got {self.num_nodes}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +80,7 @@ class DecodeContext:
     max_new_tokens: int
     max_draft_tokens: int          # upper bound on k for this call (adaptive k never exceeds it)
     cache_capacity: int | None = None  # columns a KV cache of this call may need (preallocating backends)
+    tree: TreeConfig | None = None  # trees instead of chains (drafters that cannot build trees refuse)
 
 
 class DraftSession(Protocol):

@@ -68,6 +68,8 @@ class DraftModelSession:
         self.pad = context.target.pad_token_id
         self.target_vocab = target_vocab
         self.cache = backend.new_cache(batch_size, context.cache_capacity)
+        self.tree = context.tree
+        self.tree_base: torch.Tensor | None = None  # [B] committed tokens in the cache below a tree
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""
@@ -91,6 +93,8 @@ class DraftModelSession:
         # Catch up on committed tokens this cache has not seen (ragged: left-padded with holes).
         tokens, valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
         logits, _ = self.cache.forward(tokens, valid, logits_to_keep=1)
+        if self.tree is not None:
+            return self._propose_tree(logits[:, -1])
         drafts, dists = [], []
         token, probs = self._next(logits[:, -1])
         drafts.append(token)
@@ -105,7 +109,65 @@ class DraftModelSession:
         stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
         return Proposal(torch.stack(drafts, dim=1), lengths, stacked)
 
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [..., V] that rank tree candidates (warped when sampling)."""
+        logits = self._fit_vocab(logits.float())
+        if self.sampling.greedy:
+            return torch.log_softmax(logits, dim=-1)
+        return probabilities(logits, self.sampling).log()
+
+    def _propose_tree(self, root_logits: torch.Tensor) -> Proposal:
+        """A dynamic tree as EAGLE-2 builds it, with this draft model (root_logits: [B, V]).
+
+        Every expanded node gets its ``topk`` most likely children; of those, the ``topk`` with the
+        highest cumulative log-probability are expanded at the next depth, in one batched draft pass
+        under a tree mask. Of all candidates, the ``num_nodes`` best by cumulative log-probability
+        are verified. Children are deterministic top-k choices (point masses), which keeps sampling
+        exact under the tree rule.
+        """
+        tree, cache = self.tree, self.cache
+        batch, device = root_logits.shape[0], root_logits.device
+        width = tree.topk
+        self.tree_base = cache.lengths.clone()
+        score, token = self._scores(root_logits).topk(width, dim=-1)  # [B, K]
+        pool_tokens, pool_scores = [token], [score.double()]
+        pool_parents = [torch.full((batch, width), -1, dtype=torch.long, device=device)]
+        pool_depths = [torch.ones(batch, width, dtype=torch.long, device=device)]
+        frontier = torch.arange(width, device=device).expand(batch, width)  # pool index of each expanded node
+        frontier_score, frontier_token = score.double(), token
+        sees = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)  # [B, K, fed]
+        for depth in range(1, tree.depth):
+            positions = (self.tree_base - 1)[:, None] + depth
+            everyone = torch.ones(batch, width, dtype=torch.bool, device=device)
+            logits, _ = cache.forward(frontier_token, everyone, logits_to_keep=width, block_mask=sees,
+                                      positions=positions.expand(batch, width))
+            child_score, child_token = self._scores(logits).topk(width, dim=-1)  # [B, K, K]
+            child_score = frontier_score[:, :, None] + child_score.double()
+            start = sum(t.shape[1] for t in pool_tokens)
+            pool_tokens.append(child_token.flatten(1))
+            pool_scores.append(child_score.flatten(1))
+            pool_parents.append(frontier[:, :, None].expand(-1, -1, width).flatten(1))
+            pool_depths.append(torch.full((batch, width * width), depth + 1, dtype=torch.long, device=device))
+            if depth + 1 == tree.depth:
+                break
+            best = child_score.flatten(1).topk(width, dim=-1).indices  # [B, K] among the K*K children
+            parent_slot = best // width  # which fed node each new frontier node hangs from
+            fed = sees.shape[2]
+            ancestors = sees.gather(1, parent_slot[:, :, None].expand(-1, -1, fed))  # [B, K, fed]
+            itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
+            sees = torch.cat([ancestors, itself], dim=2)  # [B, K, fed + K]
+            frontier = start + best
+            frontier_score = child_score.flatten(1).gather(1, best)
+            frontier_token = child_token.flatten(1).gather(1, best)
+        return select_tree(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1),
+                           torch.cat(pool_depths, 1), tree.num_nodes)
+
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        if self.tree_base is not None:  # drop the whole draft tree; the next step feeds the accepted path
+            self.cache.truncate(self.tree_base)
+            self.tree_base = None
+            self.cache.compact()
+            return
         # The cache holds context + the first k-1 drafts; keep what the target accepted of them.
         # seqs.lengths now counts the accepted drafts and one target token on top of the old context.
         self.cache.truncate(torch.minimum(self.cache.lengths, seqs.lengths - 1))
@@ -113,3 +175,25 @@ class DraftModelSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
+
+
+def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                num_nodes: int) -> Proposal:
+    """The ``num_nodes`` best candidates of a pool as a tree in order of depth.
+
+    tokens, scores, parents (pool index, -1 = root), depths: [B, P]. A child never scores above its
+    parent (log-probabilities add up), and ties go to the shallower node, so the chosen set holds
+    every ancestor of its members.
+    """
+    batch, pool = tokens.shape
+    count = min(num_nodes, pool)
+    rank = scores - 1e-9 * depths  # ties: parents first
+    chosen = rank.topk(count, dim=-1).indices  # [B, n]
+    order = (depths.gather(1, chosen) * pool + chosen).argsort(dim=-1)  # by depth, then pool index
+    chosen = chosen.gather(1, order)
+    new_index = torch.full((batch, pool), -1, dtype=torch.long, device=tokens.device)
+    new_index.scatter_(1, chosen, torch.arange(count, device=tokens.device).expand(batch, count))
+    old_parents = parents.gather(1, chosen)
+    tree_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
+    lengths = torch.full((batch,), count, dtype=torch.long, device=tokens.device)
+    return Proposal(tokens.gather(1, chosen), lengths, None, tree_parents)
