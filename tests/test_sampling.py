@@ -9,6 +9,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 import specdec
+from specdec import TreeConfig
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
 from specdec.sampling import SamplingConfig, probabilities, warp_logits
 from specdec.verify import verify_sampling
@@ -125,6 +126,9 @@ def exact_two_token_distribution(model, prompt, config: SamplingConfig) -> torch
     ("draft", 0.8, None, 0.7),
     ("self", 1.2, 5, 0.95),
     ("lookup", 1.0, 4, None),
+    ("draft-tree", 1.0, 6, None),   # trees: top-k point-mass siblings, exact recursive rejection
+    ("self-tree", 0.9, None, 0.9),
+    ("lookup-tree", 1.0, 4, None),
 ])
 def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, hf_models, model_dirs,
                                             backend):
@@ -135,11 +139,12 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     exact = exact_two_token_distribution(hf_models["llama"], prompt, config)
     drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"], backend=backend),
                "self": DraftModel(model_dirs["llama"], backend=backend),
-               "lookup": PromptLookup(max_ngram=2)}[drafter_kind]
+               "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
+    tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
     samples, neighbours = [], []
     for seed in range(3):
         out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tree=tree)
         samples += [a * target.vocab_size + b for a, b in out.token_ids]
         firsts = [ids[0] for ids in out.token_ids]
         neighbours += [a * target.vocab_size + b for a, b in zip(firsts[0::2], firsts[1::2])]
@@ -148,9 +153,9 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     first = exact.reshape(target.vocab_size, target.vocab_size).sum(1)
     assert chi_square_p(torch.tensor(neighbours), torch.outer(first, first).flatten()) > P_VALUE
     again = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=11, tree=tree)
     same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=11, tree=tree)
     assert again.token_ids == same_seed.token_ids
 
 

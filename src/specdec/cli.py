@@ -7,6 +7,7 @@ complete (output files are written to a temporary name, then renamed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -23,9 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(gen)
     gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
                      help="none | draft-model | prompt-lookup (SGLang's STANDALONE / NGRAM accepted)")
-    gen.add_argument("-k", "--num-draft-tokens", "--speculative-num-draft-tokens", dest="k", type=int, default=5,
-                     help="draft tokens per step (default 5)")
+    gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=5,
+                     help="draft tokens per step, the chain length (default 5)")
     add_generation_arguments(gen)
+    tree = gen.add_argument_group("token trees (instead of chains)")
+    tree.add_argument("--tree-depth", "--speculative-num-steps", dest="tree_depth", type=int,
+                      help="drafts on the longest root-to-leaf path (SGLang: --speculative-num-steps)")
+    tree.add_argument("--tree-topk", "--speculative-eagle-topk", dest="tree_topk", type=int,
+                      help="children per expanded node / prompt-lookup matches (SGLang: --speculative-eagle-topk)")
+    tree.add_argument("--tree-nodes", dest="tree_nodes", type=int, help="draft nodes verified per step")
+    tree.add_argument("--speculative-num-draft-tokens", dest="sglang_draft_tokens", type=int,
+                      help="SGLang's count of verified tokens, the pending token included: "
+                           "tree nodes (or chain k) = this - 1")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", metavar="FILE.jsonl", help="one prompt per line")
@@ -46,6 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tree_config(args):
+    """The TreeConfig the tree flags ask for (SGLang's names included), or None for chains."""
+    from .drafters.base import TreeConfig
+
+    nodes = args.tree_nodes
+    if nodes is None and args.sglang_draft_tokens is not None:
+        nodes = args.sglang_draft_tokens - 1  # SGLang counts the pending token (the root)
+    if args.tree_depth is None and args.tree_topk is None and args.tree_nodes is None:
+        if args.sglang_draft_tokens is not None and args.sglang_draft_tokens < 2:
+            raise InvalidArgumentError("--speculative-num-draft-tokens counts the pending token: it must be >= 2")
+        return None
+    defaults = TreeConfig()
+    depth = args.tree_depth if args.tree_depth is not None else defaults.depth
+    topk = args.tree_topk if args.tree_topk is not None else defaults.topk
+    return TreeConfig(depth=depth, topk=topk, num_nodes=nodes if nodes is not None else max(depth, defaults.num_nodes))
+
+
 def run_generate(args) -> int:
     from .decode import GenerationConfig, generate_ids
     from .prompts import read_prompts
@@ -55,7 +82,9 @@ def run_generate(args) -> int:
     # Validate everything cheap before loading any model.
     config = GenerationConfig(num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens,
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-                              seed=args.seed, draft_schedule=args.draft_schedule)
+                              seed=args.seed, draft_schedule=args.draft_schedule, tree=tree_config(args))
+    if args.sglang_draft_tokens is not None and config.tree is None:
+        config = dataclasses.replace(config, num_draft_tokens=args.sglang_draft_tokens - 1)
     if args.prompt is not None and not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)

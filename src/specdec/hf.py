@@ -352,12 +352,64 @@ class RowwiseCache(RaggedCache):
         return sum(cache_bytes(c) for c in self.row_caches)
 
 
+class RecomputeCache(RaggedCache):
+    """No key/value cache at all: every pass reruns each row's whole live sequence.
+
+    For models that keep no transformers cache (they recompute every step under generate() too):
+    exact by construction, and as slow as the model itself makes it.
+    """
+
+    def __init__(self, backend: "HFBackend", batch_size: int, device):
+        super().__init__(batch_size, device, max_positions(backend.model.config))
+        self.backend = backend
+        self.rows = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(batch_size)]
+
+    @torch.inference_mode()
+    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
+        if block_mask is not None:
+            raise CacheRollbackError(
+                f"{model_type(self.backend.model)} recomputes every step and cannot verify token trees")
+        new_valid = self.valid[:, past:]
+        batch, n = tokens.shape
+        logits_out = hidden_out = None
+        for row, columns in enumerate(new_valid.unbind(0)):
+            index = columns.nonzero().squeeze(1)
+            self.rows[row] = torch.cat([self.rows[row], tokens[row, index]])
+            if index.numel() == 0:
+                continue
+            out = self.backend.model(input_ids=self.rows[row][None], use_cache=False,
+                                     output_hidden_states=bool(hidden_layers))
+            logits = out.logits[0, -index.numel():]
+            if logits_out is None:
+                logits_out = logits.new_zeros(batch, n, logits.shape[-1])
+                if hidden_layers:
+                    hidden_out = logits.new_zeros(batch, n, len(hidden_layers), out.hidden_states[0].shape[-1])
+            logits_out[row, index] = logits
+            if hidden_layers:
+                hidden_out[row, index] = torch.stack([out.hidden_states[i][0, -index.numel():]
+                                                      for i in hidden_layers], dim=1)
+        return logits_out[:, n - logits_to_keep:], hidden_out
+
+    def _truncated(self, stop: int) -> None:
+        self.rows = [row[:length] for row, length in zip(self.rows, self.lengths.tolist())]
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+    def _gather_columns(self, order: torch.Tensor) -> None:
+        pass  # rows hold no holes
+
+    @property
+    def memory_bytes(self) -> int:
+        return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Deciding, before generation, how (and whether) a model runs exactly.
 
 _RECURRENT_KINDS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "ssm", "recurrent",
                     "rwkv", "linear", "xlstm"}
-_WINDOW_NAMES = ("window", "local_attention")
+_WINDOW_NAMES = ("window", "local_attention", "local_attn", "chunk_length")
 
 
 @dataclass
@@ -365,7 +417,7 @@ class HFBackend:
     """How one transformers model runs on a ragged cache: batched with masks, or row by row."""
 
     model: torch.nn.Module = field(repr=False)
-    mode: str = "batched"                         # "batched" | "rowwise"
+    mode: str = "batched"                         # "batched" | "rowwise" | "recompute"
     masks: dict[str, Window] = field(default_factory=dict)  # kind -> window; empty: 2D padding mask
     mask_by_kind: bool = False                    # the model takes a dict of masks by layer kind
     reason: str = ""                              # why rowwise, when it is
@@ -376,7 +428,7 @@ class HFBackend:
     @property
     def supports_trees(self) -> bool:
         """Whether token trees can be verified: a 4D mask must reproduce each row alone."""
-        if self.mode == "rowwise":
+        if self.mode != "batched":
             return False
         if self.trees is None:
             variant = self if self.masks else HFBackend(self.model, masks={"full_attention": FULL})
@@ -412,11 +464,11 @@ class HFBackend:
 
     @property
     def description(self) -> str:
-        return f"hf/{self.attention}" + ("/rowwise" if self.mode == "rowwise" else "")
+        return f"hf/{self.attention}" + ("" if self.mode == "batched" else f"/{self.mode}")
 
     def new_cache(self, batch_size: int, capacity: int | None = None) -> RaggedCache:
         """A ragged cache for ``batch_size`` rows (transformers' caches grow; ``capacity`` is unused)."""
-        cls = RowwiseCache if self.mode == "rowwise" else HFCache
+        cls = {"batched": HFCache, "rowwise": RowwiseCache, "recompute": RecomputeCache}[self.mode]
         return cls(self, batch_size, self.device)
 
     @classmethod
@@ -443,7 +495,19 @@ class HFBackend:
         rowwise = cls(model, mode="rowwise", reason=why)
         if not probe:
             return candidates[0] if candidates else rowwise
-        baseline = rowwise.probe()  # exact by construction; its error is this model's float noise
+        try:  # exact by construction; its error is this model's float noise
+            baseline = rowwise.probe()
+        except Exception as exc:  # no usable transformers cache: rerun whole rows, as generate() does
+            recompute = cls(model, mode="recompute", reason=f"its cache cannot be used: {first_line(exc)}")
+            try:
+                recompute.probe()
+                same = generate_matches_forward(model)
+            except Exception:
+                same = False
+            if not same:
+                raise UnsupportedModelError(f"{name} cannot run on a rolled-back KV cache ({first_line(exc)}), "
+                                            "and its generate() is not a rerun of its forward pass") from None
+            return recompute
         for candidate in candidates:
             try:
                 error = candidate.probe()
@@ -452,6 +516,10 @@ class HFBackend:
             if error <= max(_tolerance(model), 4 * baseline):
                 candidate.noise = baseline
                 return candidate
+        if any(w != FULL for w in windows.values()) and cls(model).probe() <= max(_tolerance(model), 4 * baseline):
+            raise UnsupportedModelError(
+                f"{name} declares a sliding window its attention does not apply (transformers' generate() "
+                "applies it only by dropping cache entries), so its output depends on the cache; not run")
         rowwise.noise = baseline
         return rowwise
 
@@ -477,6 +545,9 @@ class HFBackend:
         tokens = torch.stack([sequence[:4], torch.cat([sequence[:2].new_zeros(2), sequence[:2]])])
         valid = torch.tensor([[True] * 4, [False, False, True, True]], device=self.device)
         logits, _ = cache.forward(tokens, valid, logits_to_keep=1)
+        if cache.memory_bytes == 0 and self.mode != "recompute":
+            raise UnsupportedModelError(f"{model_type(model)} keeps no transformers KV cache that specdec can "
+                                        "roll back (it ignores the cache it is given)")
         errors = [logits[0, -1].float() - reference[3], logits[1, -1].float() - reference[1]]
         done, step = [4, 2], 0
         while min(done) < length:
@@ -506,6 +577,26 @@ class HFBackend:
             step += 1
         error = max(float(e.abs().max()) for e in errors)
         return error / scale
+
+
+def generate_matches_forward(model, steps: int = 24) -> bool:
+    """Whether greedy generate() equals rerunning the plain forward pass (false when generate prepares
+    inputs of its own, such as xlnet's permutation masks or xlm's language ids). Runs on a copy:
+    some models change their own settings while generating."""
+    model = copy.deepcopy(model)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, vocab, (1, 12), generator=generator).to(next(model.parameters()).device)
+    with torch.inference_mode(), quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = prompt
+        for _ in range(steps):
+            step = model(input_ids=ours, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ours = torch.cat([ours, step], dim=1)
+        theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=steps, min_new_tokens=steps, eos_token_id=None, pad_token_id=0,
+                                generation_config=copy.deepcopy(model.generation_config))
+    return theirs.shape == ours.shape and bool((theirs == ours).all())
 
 
 def _tolerance(model) -> float:

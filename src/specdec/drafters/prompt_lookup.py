@@ -1,5 +1,8 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the context's tail.
 
+With a tree config it offers several continuations instead: the most recent occurrences of the
+longest matching n-gram first (then shorter n-grams), merged into one prefix tree per row.
+
 Tries the longest n-gram first (max_ngram down to min_ngram) over prompt and generated text. When
 the continuation runs into the end of the context (the most recent match of a repeating pattern
 overlaps the tail), it keeps copying with the same offset through the tokens it has just proposed,
@@ -15,7 +18,53 @@ import torch
 
 from ..batch import Sequences
 from ..errors import InvalidArgumentError
-from .base import DecodeContext, Proposal, StatelessSession
+from .base import DecodeContext, Proposal, StatelessSession, TreeConfig
+
+
+def continuation(tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
+    """k tokens from ``start``; past the end of the context, a repeating pattern keeps its period."""
+    found = tokens[start: start + k]
+    if found.shape[0] < k:  # periodic: draft j repeats the token `period` places before it
+        period = tokens.shape[0] - start
+        found = tokens[start:].repeat(k // period + 1)[:k]
+    return found
+
+
+def lookup_many(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int, matches: int) -> list[list[int]]:
+    """Up to ``matches`` distinct continuations of k tokens: longest tail n-gram first, and for each
+    n the most recent occurrences first. tokens: [L] long, the whole context."""
+    length = tokens.shape[0]
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
+        hits = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
+        for hit in reversed(hits):
+            candidate = continuation(tokens, hit + n, k).tolist()
+            if candidate not in found:
+                found.append(candidate)
+            if len(found) == matches:
+                return found
+    return found
+
+
+def prefix_tree(paths: list[list[int]], num_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge token paths into one prefix tree; (tokens, parents) of its first num_nodes nodes by depth.
+
+    Earlier paths come first within a depth, so a cap keeps the most recent matches' tokens.
+    """
+    children: dict[tuple[int, int], int] = {}
+    nodes: list[tuple[int, int, int]] = []  # (depth, parent node, token)
+    for path in paths:
+        parent = -1
+        for depth, token in enumerate(path, 1):
+            key = (parent, token)
+            if key not in children:
+                children[key] = len(nodes)
+                nodes.append((depth, parent, token))
+            parent = children[key]
+    order = sorted(range(len(nodes)), key=lambda i: (nodes[i][0], i))[:num_nodes]
+    new_index = {old: new for new, old in enumerate(order)}
+    return [nodes[i][2] for i in order], [new_index.get(nodes[i][1], -1) for i in order]
 
 
 def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torch.Tensor:
@@ -29,12 +78,7 @@ def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torc
         windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
         hits = (windows == tail).all(1).nonzero()
         if hits.numel():
-            start = int(hits[-1]) + n
-            found = tokens[start: start + k]
-            if found.shape[0] < k:  # periodic: draft j repeats the token `period` places before it
-                period = length - start
-                found = tokens[start:].repeat(k // period + 1)[:k]
-            return found
+            return continuation(tokens, int(hits[-1]) + n, k)
     return tokens[:0]
 
 
@@ -50,14 +94,16 @@ class PromptLookup:
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "PromptLookupSession":
-        return PromptLookupSession(self)
+        return PromptLookupSession(self, context.tree)
 
 
 class PromptLookupSession(StatelessSession):
-    def __init__(self, config: PromptLookup):
-        self.config = config
+    def __init__(self, config: PromptLookup, tree: TreeConfig | None = None):
+        self.config, self.tree = config, tree
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
+        if self.tree is not None:
+            return self._propose_tree(seqs)
         batch = seqs.batch_size
         tokens = torch.zeros(batch, k, dtype=torch.long, device=seqs.tokens.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=seqs.tokens.device)
@@ -66,3 +112,20 @@ class PromptLookupSession(StatelessSession):
             tokens[row, : found.shape[0]] = found
             lengths[row] = found.shape[0]
         return Proposal(tokens, lengths)
+
+    def _propose_tree(self, seqs: Sequences) -> Proposal:
+        """Several matches (up to ``topk``), ``depth`` tokens each, merged into one prefix tree per row."""
+        tree, device = self.tree, seqs.tokens.device
+        rows = []
+        for row, length in enumerate(seqs.lengths.tolist()):
+            paths = lookup_many(seqs.tokens[row, :length], self.config.max_ngram, self.config.min_ngram,
+                                tree.depth, tree.topk)
+            rows.append(prefix_tree(paths, tree.num_nodes))
+        width = max(1, max(len(tokens) for tokens, _ in rows))
+        tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        parents = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
+        for row, (row_tokens, row_parents) in enumerate(rows):
+            tokens[row, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
+            parents[row, : len(row_parents)] = torch.tensor(row_parents, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t, _ in rows], dtype=torch.long, device=device)
+        return Proposal(tokens, lengths, None, parents)
