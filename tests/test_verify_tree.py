@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency, chisquare
+from scipy.stats import chi2_contingency
+from test_sampling import chi_square_p
 
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingConfig, probabilities
 from specdec.verify import tree, verify_greedy, verify_sampling
-from specdec.verify.tree import (accepted_path, ancestor_mask, check_tree, depths, verify_tree_greedy,
-                                 verify_tree_sampling)
+from specdec.verify.tree import (
+    accepted_path,
+    ancestor_mask,
+    check_tree,
+    depths,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 
 P_VALUE = 1e-3  # fixed seeds make every test deterministic; a real bias gives p-values far below this
 
@@ -271,19 +278,6 @@ def tree_target(world, tokens):
     for node, parent in enumerate(PARENTS):
         laws.append(p2[tokens[:, node]] if parent < 0 else p3[tokens[:, parent], tokens[:, node]])
     return torch.stack(laws, 1)
-
-
-def chi_square_p(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of samples (ints) under probs, pooling cells with small expectation."""
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    expected = probs.double() * samples.numel()
-    assert counts[expected == 0].sum() == 0, "a sample fell outside the target's support"
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
-    if wanted[-1] == 0:
-        observed, wanted = observed[:-1], wanted[:-1]
-    return float(chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue)
 
 
 def sample_tree_outputs(world, d1, d2, scheme, n=40000, seed=0, tokens=None):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from . import hf
 from .decode import GenerationConfig, generate_ids
 from .drafters import DraftModel, NoDraft, PromptLookup
+from .drafters.base import TreeConfig
 from .errors import InvalidArgumentError
 from .target import Target
 
@@ -48,6 +49,7 @@ class Method:
     run: Callable                # list[list[int]] -> (outputs, Stats | None)
     engine: Engine | None = None  # specdec's methods: the backend they run on
     tag: str = ""                # the backend in labels, when a bench compares several
+    tree: TreeConfig | None = None  # token trees instead of chains of k
     new_tokens: int = 0
     seconds: float = 0.0
     tau_tokens: int = 0          # tokens committed by verification steps
@@ -60,6 +62,8 @@ class Method:
     @property
     def label(self) -> str:
         k = f" k={self.k}" if self.k else ""
+        if self.tree is not None:
+            k = f" tree={self.tree.depth}/{self.tree.topk}/{self.tree.num_nodes}"
         batch = f" batch={self.batch_size}" if self.batch_size > 1 else ""
         tag = f"[{self.tag}]" if self.tag else ""
         return f"{self.impl}{tag} {self.family}{k}{batch}"
@@ -78,13 +82,13 @@ class Method:
 
 
 def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int,
-                   tag: str = ""):
-    config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens)
+                   tag: str = "", tree: TreeConfig | None = None):
+    config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree)
 
     def run(prompts):
         out = generate_ids(engine.target, prompts, drafter, config)
         return out.token_ids, out.stats
-    return Method(family, "specdec", k, batch_size, run, engine, tag)
+    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, tree)
 
 
 class ForwardCounter:
@@ -142,7 +146,7 @@ def transformers_model(model: Target | DraftModel):
 
 
 def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
-                  max_ngram: int, min_ngram: int, reference: tuple | None):
+                  max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = ()):
     """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None)."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
@@ -155,6 +159,12 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                     methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size,
                                                   tag))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
+            for tree in trees:
+                if engine.draft is not None:
+                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens,
+                                                  batch_size, tag, tree))
+                methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, None, max_new_tokens, batch_size, tag,
+                                              tree))
     if reference is not None:
         model, draft_model = reference
         target = engines[0].target
@@ -179,7 +189,8 @@ def _run_timed(method: Method, prompts: list[list[int]]):
 def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None = None, ks=(4,),
               max_new_tokens: int = 64, batch_sizes=(1,), repeats: int = 1, max_ngram: int = 3,
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
-              more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None) -> dict:
+              more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
+              trees: tuple[TreeConfig, ...] = ()) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
@@ -196,7 +207,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     reference = None
     if with_transformers:
         reference = transformers_models or (transformers_model(target), draft and transformers_model(draft))
-    methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference)
+    methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
+                            tuple(trees))
     for method in methods:  # warm-up, untimed
         method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
                    prompts[: method.batch_size])
@@ -234,6 +246,9 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     bar.close()
     context = sum(map(len, prompts)) // len(prompts) + max_new_tokens // 2
     costs = {id(engine): model_costs(engine, range(1, max(ks) + 2), context) for engine in engines}
+    for engine in engines:  # the verification cost of each tree size
+        costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
+                                                                          context) for t in trees})
     return _table(methods, mismatches, len(prompts), max_new_tokens, repeats, costs)
 
 
@@ -270,8 +285,8 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     Plain decoding: 1 / T(1). The draft model drafts k tokens at T_draft(1) each (its catch-up pass
     of one or two tokens is counted as one). Prompt lookup's drafting counts as engine time.
     """
-    if method.impl != "specdec" or method.batch_size != 1:
-        return None
+    if method.impl != "specdec" or method.batch_size != 1 or method.tree is not None:
+        return None  # trees: drafting costs depth passes of topk tokens, not measured here
     target = costs["target"]
     if method.family == PLAIN:
         return 1.0 / target[1]
@@ -286,9 +301,9 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
 
 def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_tokens: int, repeats: int,
            costs: dict | None = None) -> dict:
-    def find(impl, tag, family, k, batch_size):
+    def find(impl, tag, family, k, batch_size, tree=None):
         for m in methods:
-            if (m.impl, m.tag, m.family, m.k, m.batch_size) == (impl, tag, family, k, batch_size):
+            if (m.impl, m.tag, m.family, m.k, m.batch_size, m.tree) == (impl, tag, family, k, batch_size, tree):
                 return m
         return None
 
@@ -296,14 +311,18 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
     for m in methods:
         plain = find("specdec", m.tag, PLAIN, None, m.batch_size) if m.impl == "specdec" else \
             find("transformers", "", PLAIN, None, 1)
-        peer = find("transformers", "", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size == 1 else None
-        single = find("specdec", m.tag, m.family, m.k, 1) if m.impl == "specdec" and m.batch_size > 1 else None
+        peer = find("transformers", "", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size == 1 \
+            and m.tree is None else None
+        single = find("specdec", m.tag, m.family, m.k, 1, m.tree) if m.impl == "specdec" and m.batch_size > 1 \
+            else None
         bound = model_time_bound(m, costs[id(m.engine)]) if costs and m.engine is not None else None
         rows.append({
             "method": m.label, "impl": m.impl, "backend": m.engine.backend if m.engine else "transformers",
             "family": m.family, "k": m.k, "batch_size": m.batch_size,
             "tau": m.tau, "alpha": m.alpha, "tokens_per_second": m.tokens_per_second,
             "new_tokens": m.new_tokens, "seconds": m.seconds,
+            "tree": None if m.tree is None else [m.tree.depth, m.tree.topk, m.tree.num_nodes],
+            "mean_nodes": m.k_sum / m.tau_steps if m.tau_steps else None,
             "speedup_vs_plain": m.tokens_per_second / plain.tokens_per_second if plain and plain.seconds else None,
             "ratio_vs_transformers": (m.tokens_per_second / peer.tokens_per_second
                                       if peer and peer.seconds else None),
@@ -366,6 +385,8 @@ def add_bench_command(commands) -> None:
                        help="batch sizes for specdec's methods (transformers' run at batch 1)")
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
+    bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
+                       help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
     bench.add_argument("--cost-curve", action="store_true",
                        help="also print T(n)/T(1), the target's forward time for n new tokens, n = 1..64")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -395,6 +416,7 @@ def run_bench_command(args) -> int:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.repeats < 1:
         raise InvalidArgumentError(f"repeats must be >= 1, got {args.repeats}")
+    trees = [parse_tree(text) for text in args.trees]
     prompts = load_bench_prompts(args)
     if args.num_prompts is not None:
         if args.num_prompts < 1:
@@ -413,13 +435,22 @@ def run_bench_command(args) -> int:
     result = run_bench(first.target, first.target.encode(prompts), draft=first.draft, ks=args.k,
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
-                       more_engines=tuple(engines[1:]))
+                       more_engines=tuple(engines[1:]), trees=tuple(trees))
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     return 0 if result["outputs_identical"] else 1
+
+
+def parse_tree(text: str) -> TreeConfig:
+    """'5/4/16' -> TreeConfig(depth=5, topk=4, num_nodes=16)."""
+    try:
+        depth, topk, nodes = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(f"a tree is depth/topk/num_nodes, e.g. 5/4/16; got {text!r}") from None
+    return TreeConfig(depth, topk, nodes)
 
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64)

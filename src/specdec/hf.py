@@ -321,21 +321,26 @@ class RowwiseCache(RaggedCache):
         logits_out = hidden_out = None
         for row, columns in enumerate(new_valid.unbind(0)):
             index = columns.nonzero().squeeze(1)
-            if index.numel() == 0:
+            logits, hidden = self._row(row, tokens[row, index], positions[row, index], hidden_layers)
+            if logits is None:
                 continue
-            length = int(self.lengths[row])
-            row_tokens = tokens[row, index][None]
-            ones = torch.ones(1, length, dtype=torch.long, device=tokens.device)
-            logits, hidden = forward(self.backend.model, row_tokens, ones, positions[row, index][None],
-                                     self.row_caches[row], 0, hidden_layers)
             if logits_out is None:
                 logits_out = logits.new_zeros(batch, n, logits.shape[-1])
                 if hidden is not None:
-                    hidden_out = hidden.new_zeros(batch, n, *hidden.shape[2:])
-            logits_out[row, index] = logits[0]
+                    hidden_out = hidden.new_zeros(batch, n, *hidden.shape[1:])
+            logits_out[row, index] = logits
             if hidden is not None:
-                hidden_out[row, index] = hidden[0]
+                hidden_out[row, index] = hidden
         return logits_out[:, n - logits_to_keep:], hidden_out
+
+    def _row(self, row: int, tokens: torch.Tensor, positions: torch.Tensor, hidden_layers):
+        """Row ``row``'s new tokens [m] through the model: (logits [m, V], hidden [m, L, H] or None)."""
+        if tokens.numel() == 0:
+            return None, None
+        ones = torch.ones(1, int(self.lengths[row]), dtype=torch.long, device=tokens.device)
+        logits, hidden = forward(self.backend.model, tokens[None], ones, positions[None], self.row_caches[row], 0,
+                                 hidden_layers)
+        return logits[0], None if hidden is None else hidden[0]
 
     def _truncated(self, stop: int) -> None:
         for row_cache, length in zip(self.row_caches, self.lengths.tolist()):
@@ -345,14 +350,14 @@ class RowwiseCache(RaggedCache):
         self.row_caches = [self.row_caches[i] for i in index.tolist()]
 
     def _gather_columns(self, order: torch.Tensor) -> None:
-        pass  # row caches hold no holes
+        pass  # rows hold no holes
 
     @property
     def memory_bytes(self) -> int:
         return sum(cache_bytes(c) for c in self.row_caches)
 
 
-class RecomputeCache(RaggedCache):
+class RecomputeCache(RowwiseCache):
     """No key/value cache at all: every pass reruns each row's whole live sequence.
 
     For models that keep no transformers cache (they recompute every step under generate() too):
@@ -360,44 +365,23 @@ class RecomputeCache(RaggedCache):
     """
 
     def __init__(self, backend: "HFBackend", batch_size: int, device):
-        super().__init__(batch_size, device, max_positions(backend.model.config))
-        self.backend = backend
-        self.rows = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(batch_size)]
+        super().__init__(backend, batch_size, device)
+        self.row_caches = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(batch_size)]  # tokens
 
     @torch.inference_mode()
-    def _run(self, tokens, positions, past, logits_to_keep, hidden_layers, block_mask):
-        if block_mask is not None:
-            raise CacheRollbackError(
-                f"{model_type(self.backend.model)} recomputes every step and cannot verify token trees")
-        new_valid = self.valid[:, past:]
-        batch, n = tokens.shape
-        logits_out = hidden_out = None
-        for row, columns in enumerate(new_valid.unbind(0)):
-            index = columns.nonzero().squeeze(1)
-            self.rows[row] = torch.cat([self.rows[row], tokens[row, index]])
-            if index.numel() == 0:
-                continue
-            out = self.backend.model(input_ids=self.rows[row][None], use_cache=False,
-                                     output_hidden_states=bool(hidden_layers))
-            logits = out.logits[0, -index.numel():]
-            if logits_out is None:
-                logits_out = logits.new_zeros(batch, n, logits.shape[-1])
-                if hidden_layers:
-                    hidden_out = logits.new_zeros(batch, n, len(hidden_layers), out.hidden_states[0].shape[-1])
-            logits_out[row, index] = logits
-            if hidden_layers:
-                hidden_out[row, index] = torch.stack([out.hidden_states[i][0, -index.numel():]
-                                                      for i in hidden_layers], dim=1)
-        return logits_out[:, n - logits_to_keep:], hidden_out
+    def _row(self, row: int, tokens: torch.Tensor, positions: torch.Tensor, hidden_layers):
+        self.row_caches[row] = torch.cat([self.row_caches[row], tokens])
+        if tokens.numel() == 0:
+            return None, None
+        out = self.backend.model(input_ids=self.row_caches[row][None], use_cache=False,
+                                 output_hidden_states=bool(hidden_layers))
+        hidden = None
+        if hidden_layers:
+            hidden = torch.stack([out.hidden_states[i][0, -tokens.numel():] for i in hidden_layers], dim=1)
+        return out.logits[0, -tokens.numel():], hidden
 
     def _truncated(self, stop: int) -> None:
-        self.rows = [row[:length] for row, length in zip(self.rows, self.lengths.tolist())]
-
-    def _select_rows(self, index: torch.Tensor) -> None:
-        self.rows = [self.rows[i] for i in index.tolist()]
-
-    def _gather_columns(self, order: torch.Tensor) -> None:
-        pass  # rows hold no holes
+        self.row_caches = [row[:length] for row, length in zip(self.row_caches, self.lengths.tolist())]
 
     @property
     def memory_bytes(self) -> int:

@@ -107,9 +107,12 @@ def save_bench_pair(directory: str | Path, layers: int = 12, hidden: int = 512, 
 
 
 if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m specdec.tiny OUT_DIR   (writes OUT_DIR/target and OUT_DIR/draft)")
-    for path in save_bench_pair(sys.argv[1]):
+    parser = argparse.ArgumentParser(prog="python -m specdec.tiny",
+                                     description="write OUT/target (random Llama) and OUT/draft (its first layer)")
+    parser.add_argument("out")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    args = parser.parse_args()
+    for path in save_bench_pair(args.out, layers=args.layers, hidden=args.hidden, vocab_size=args.vocab):
         print(path)

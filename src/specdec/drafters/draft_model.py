@@ -42,6 +42,8 @@ class DraftModel:
 
     def check_compatible(self, target) -> None:
         """Same token ids must mean the same strings, or drafts are meaningless to the target."""
+        if getattr(self, "_compatible_with", None) is target:
+            return  # checked already (comparing vocabularies costs milliseconds per generation)
         if self.tokenizer is not None and target.tokenizer is not None:
             if self.tokenizer.get_vocab() != target.tokenizer.get_vocab():
                 raise VocabularyMismatchError(
@@ -50,6 +52,7 @@ class DraftModel:
         elif self.vocab_size != target.vocab_size:
             raise VocabularyMismatchError(
                 f"draft vocabulary size {self.vocab_size} differs from the target's {target.vocab_size}")
+        self._compatible_with = target
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DraftModelSession":
         self.check_compatible(context.target)

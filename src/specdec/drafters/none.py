@@ -16,6 +16,12 @@ class NoDraft:
 
 
 class NoDraftSession(StatelessSession):
+    def __init__(self):
+        self.empty: Proposal | None = None  # one empty proposal per batch size, made once
+
     def propose(self, seqs: Sequences, k: int) -> Proposal:
-        empty = torch.zeros(seqs.batch_size, 0, dtype=torch.long, device=seqs.tokens.device)
-        return Proposal(empty, torch.zeros(seqs.batch_size, dtype=torch.long, device=seqs.tokens.device))
+        if self.empty is None or self.empty.tokens.shape[0] != seqs.batch_size:
+            device = seqs.tokens.device
+            self.empty = Proposal(torch.zeros(seqs.batch_size, 0, dtype=torch.long, device=device),
+                                  torch.zeros(seqs.batch_size, dtype=torch.long, device=device))
+        return self.empty

@@ -1,0 +1,61 @@
+"""The llama.cpp comparison: its error without llama-cpp-python, and (where it is installed) greedy
+decoding from token ids that matches specdec's plain decoding on the same tiny model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from specdec.decode import GenerationConfig, generate_ids
+from specdec.drafters import NoDraft
+from specdec.errors import SpecdecError
+from specdec.llamacpp import MISSING, compare, first_difference, format_comparison, llama_cpp_plain
+from specdec.target import load_target
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 0]) == 2
+
+
+def test_missing_llama_cpp_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes ``import llama_cpp`` fail
+    with pytest.raises(SpecdecError, match="pip install llama-cpp-python") as caught:
+        llama_cpp_plain(tmp_path / "none.gguf", [[1, 2]], 4, [0])
+    assert str(caught.value) == MISSING
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(model_dirs, tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from specdec.gguf import export
+
+    return export(model_dirs["llama"], tmp_path_factory.mktemp("llamacpp") / "llama.gguf")
+
+
+def test_greedy_matches_specdec_plain(model_dirs, tiny_gguf):
+    target = load_target(model_dirs["llama"], backend="native")
+    prompts = target.encode(["def parse(self, value):\n", "import os\nimport sys\n", "class A:\n    x = 1\n"])
+    eos = list(target.eos_token_ids)
+    outputs, seconds = llama_cpp_plain(tiny_gguf, prompts, 24, eos)
+    assert seconds > 0
+    expected = generate_ids(target, prompts, NoDraft(), GenerationConfig(num_draft_tokens=1, max_new_tokens=24))
+    assert outputs == expected.token_ids
+    # A stop token ends the output right after it, as in specdec.
+    first = outputs[0][3]
+    stopped, _ = llama_cpp_plain(tiny_gguf, prompts[:1], 24, [first])
+    assert stopped[0] == outputs[0][: outputs[0].index(first) + 1]
+
+
+def test_compare_table(model_dirs, tiny_gguf):
+    result = compare(model_dirs["llama"], model_dirs["llama-draft"], num_prompts=2, max_new_tokens=8, k=2,
+                     gguf_path=tiny_gguf, kv_caches=("f32", "f16"), progress=False)
+    methods = {row["method"]: row for row in result["methods"]}
+    assert set(methods) == {"llama.cpp plain (f32 KV)", "llama.cpp plain (f16 KV)", "specdec plain",
+                            "specdec draft-model k=2", "specdec prompt-lookup k=2"}
+    assert methods["specdec plain"]["identical_to_llama_cpp"] == 2
+    assert all(row["identical_to_specdec_plain"] == 2 for name, row in methods.items() if name.startswith("specdec"))
+    assert "specdec plain" in format_comparison(result)
