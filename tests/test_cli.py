@@ -66,13 +66,37 @@ def test_generate_from_jsonl_batch(capsys, model_dirs, tmp_path):
     (["--max-new-tokens", "300"], ["context window"]),
     (["--drafter", "draft-model"], ["--draft"]),
     (["--dtype", "int3"], ["dtype"]),
+    (["--tree-depth", "5", "--tree-nodes", "3"], ["num_nodes >= 5"]),
+    (["--tree-topk", "0"], ["must be >= 1"]),
+    (["--speculative-num-steps", "4", "--speculative-num-draft-tokens", "4"], ["num_nodes >= 4"]),
+    (["--speculative-num-draft-tokens", "1"], ["counts the pending token"]),
+    (["--backend", "native", "--target-is-gpt2"], []),
 ])
 def test_bad_generation_arguments(capsys, model_dirs, tmp_path, extra, needles):
     output = tmp_path / "never.json"
-    code, out, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "x = 1",
+    target = model_dirs["llama"]
+    if "--target-is-gpt2" in extra:  # the native backend runs the Llama family only
+        extra, target, needles = ["--backend", "native"], model_dirs["gpt2"], ["native backend", "llama"]
+    code, out, err = run(capsys, "generate", "--target", target, "--prompt", "x = 1",
                          "--output", output, *extra)
     assert_one_line_error(code, err, *needles)
     assert not output.exists() and not list(tmp_path.iterdir())
+
+
+def test_tree_flags_and_sglang_names(capsys, model_dirs):
+    base = ["generate", "--target", model_dirs["llama"], "--prompt", "x = 1\nx = 1\n", "--json",
+            "--max-new-tokens", 12, "--drafter", "prompt-lookup"]
+    code, out, _ = run(capsys, *base, "--tree-depth", 3, "--tree-topk", 2, "--tree-nodes", 5)
+    stats = json.loads(out)["stats"]
+    assert code == 0 and stats["mean_k"] <= 5 and len(stats["acceptance_by_position"]) <= 3
+    # SGLang counts the pending token: 6 verified tokens = 5 tree nodes
+    code, sglang, _ = run(capsys, *base, "--speculative-num-steps", 3, "--speculative-eagle-topk", 2,
+                          "--speculative-num-draft-tokens", 6)
+    assert code == 0 and json.loads(sglang)["stats"]["k_history"] == stats["k_history"]
+    assert json.loads(sglang)["stats"]["k_sum"] == stats["k_sum"]
+    code, out, _ = run(capsys, *base[:-2], "--drafter", "draft-model", "--draft", model_dirs["llama-draft"],
+                       "--speculative-num-draft-tokens", 4)  # a chain of 3
+    assert code == 0 and json.loads(out)["stats"]["k_history"][0] == 3
 
 
 def test_output_folder_must_exist_before_any_work(capsys, model_dirs, tmp_path):

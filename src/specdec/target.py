@@ -141,7 +141,8 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
         if reason is None:
             return NativeBackend.load(path, dtype=dtype, device=device), None
         if backend == "native":
-            raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}")
+            from .models.llama import SUPPORTED
+            raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     model = hf.load_causal_lm(path, dtype=dtype, device=device)
     return hf.HFBackend.for_model(model), model
 
