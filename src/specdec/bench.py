@@ -57,6 +57,8 @@ class Method:
     drafts_accepted: int = 0
     drafts_evaluated: int = 0
     k_sum: int = 0               # drafts proposed over all row-steps (for the mean k)
+    decode_seconds: float = 0.0  # specdec: time after prefill (the steps the efficiency is about)
+    decode_tokens: int = 0       # specdec: tokens those steps produced
     outputs: list = field(default_factory=list)
 
     @property
@@ -232,6 +234,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.drafts_accepted += info.drafts_accepted
                 method.drafts_evaluated += info.drafts_evaluated
                 method.k_sum += info.k_sum
+                method.decode_seconds += info.total_time - info.prefill_time
+                method.decode_tokens += info.new_tokens - len(outputs)  # the first token comes from prefill
             else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
                 method.tau_tokens += len(output)
@@ -282,6 +286,9 @@ def model_costs(engine: Engine, sizes, context: int) -> dict:
 def model_time_bound(method: Method, costs: dict) -> float | None:
     """Tokens/s if a step cost only its forward passes: tau / (T_draft + T_verify(k + 1)).
 
+    The efficiency compares it with the tokens/s of the steps after prefill (prefill is one pass of
+    the prompt, the same in every method, and not engine overhead per step).
+
     Plain decoding: 1 / T(1). The draft model drafts k tokens at T_draft(1) each (its catch-up pass
     of one or two tokens is counted as one). Prompt lookup's drafting counts as engine time.
     """
@@ -329,7 +336,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "ratio_vs_batch_1": (m.tokens_per_second / single.tokens_per_second
                                  if single and single.seconds else None),
             "model_time_bound": bound,
-            "efficiency": m.tokens_per_second / bound if bound else None,
+            "efficiency": m.decode_tokens / m.decode_seconds / bound if bound and m.decode_seconds else None,
         })
     forward_costs = None
     if costs:
@@ -361,7 +368,7 @@ def format_table(result: dict) -> str:
         ", ".join(f"prompt {m['prompt']} ({m['method']})" for m in result["mismatches"][:5]))
     lines.append(f"{result['prompts']} prompts x {result['repeats']} repeats, "
                  f"max {result['max_new_tokens']} new tokens; {verdict}")
-    lines.append("efficiency: tokens/s over the model-time bound tau / (T_draft + T_verify(k+1)), "
+    lines.append("efficiency: tokens/s after prefill over the model-time bound tau / (T_draft + T_verify(k+1)), "
                  "1 / T(1) for plain; forward times measured in this run")
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(

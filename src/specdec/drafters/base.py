@@ -26,6 +26,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # [B, k, V] distributions the drafts were sampled from; None = one-hot
     parents: torch.Tensor | None = None  # [B, k] long, trees only: parent node, -1 = the pending token;
                                          # nodes in order of depth (a parent before its children)
+    node_depths: torch.Tensor | None = None  # [B, k] long, trees: depth of each node when the drafter knows it
 
     @property
     def k(self) -> int:
@@ -39,16 +40,20 @@ class Proposal:
         """[B, k] depth of each draft (1 = right after the pending token); chains: 1..k."""
         if self.parents is None:
             return torch.arange(1, self.k + 1, device=self.tokens.device).expand(self.tokens.shape[0], -1)
-        from ..verify.tree import depths
-        return depths(self.parents, self.lengths)
+        if self.node_depths is None:  # computed once (the loop asks several times per step)
+            from ..verify.tree import depths
+            object.__setattr__(self, "node_depths", depths(self.parents, self.lengths))
+        return self.node_depths
 
     def clamp(self, max_lengths: torch.Tensor) -> "Proposal":
         """Limit rows to max_lengths[b] drafts in depth (no row drafts past its token budget)."""
         if self.parents is None:
             return Proposal(self.tokens, torch.minimum(self.lengths, max_lengths), self.probs)
         # Nodes come in order of depth, so the nodes within the budget are a prefix.
-        within = (self.depths() <= max_lengths[:, None]).sum(1)
-        return Proposal(self.tokens, torch.minimum(self.lengths, within), self.probs, self.parents)
+        depth = self.depths()
+        lengths = torch.minimum(self.lengths, (depth <= max_lengths[:, None]).sum(1))
+        kept = torch.arange(self.k, device=depth.device) < lengths[:, None]
+        return Proposal(self.tokens, lengths, self.probs, self.parents, depth * kept)
 
 
 @dataclass(frozen=True)

@@ -199,4 +199,4 @@ def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tenso
     old_parents = parents.gather(1, chosen)
     tree_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
     lengths = torch.full((batch,), count, dtype=torch.long, device=tokens.device)
-    return Proposal(tokens.gather(1, chosen), lengths, None, tree_parents)
+    return Proposal(tokens.gather(1, chosen), lengths, None, tree_parents, depths.gather(1, chosen))

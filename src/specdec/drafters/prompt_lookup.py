@@ -47,8 +47,8 @@ def lookup_many(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int, ma
     return found
 
 
-def prefix_tree(paths: list[list[int]], num_nodes: int) -> tuple[list[int], list[int]]:
-    """Merge token paths into one prefix tree; (tokens, parents) of its first num_nodes nodes by depth.
+def prefix_tree(paths: list[list[int]], num_nodes: int) -> tuple[list[int], list[int], list[int]]:
+    """Merge token paths into one prefix tree; (tokens, parents, depths) of its first num_nodes nodes by depth.
 
     Earlier paths come first within a depth, so a cap keeps the most recent matches' tokens.
     """
@@ -64,7 +64,8 @@ def prefix_tree(paths: list[list[int]], num_nodes: int) -> tuple[list[int], list
             parent = children[key]
     order = sorted(range(len(nodes)), key=lambda i: (nodes[i][0], i))[:num_nodes]
     new_index = {old: new for new, old in enumerate(order)}
-    return [nodes[i][2] for i in order], [new_index.get(nodes[i][1], -1) for i in order]
+    return ([nodes[i][2] for i in order], [new_index.get(nodes[i][1], -1) for i in order],
+            [nodes[i][0] for i in order])
 
 
 def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torch.Tensor:
@@ -121,11 +122,11 @@ class PromptLookupSession(StatelessSession):
             paths = lookup_many(seqs.tokens[row, :length], self.config.max_ngram, self.config.min_ngram,
                                 tree.depth, tree.topk)
             rows.append(prefix_tree(paths, tree.num_nodes))
-        width = max(1, max(len(tokens) for tokens, _ in rows))
-        tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        parents = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
-        for row, (row_tokens, row_parents) in enumerate(rows):
-            tokens[row, : len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
-            parents[row, : len(row_parents)] = torch.tensor(row_parents, dtype=torch.long)
-        lengths = torch.tensor([len(t) for t, _ in rows], dtype=torch.long, device=device)
-        return Proposal(tokens, lengths, None, parents)
+        width = max(1, max(len(tokens) for tokens, _, _ in rows))
+        table = torch.zeros(3, len(rows), width, dtype=torch.long)  # tokens, parents, depths
+        table[1] = -1
+        for row, columns in enumerate(rows):
+            table[:, row, : len(columns[0])] = torch.tensor(columns, dtype=torch.long)
+        tokens, parents, depths = table.to(device)
+        lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
+        return Proposal(tokens, lengths, None, parents, depths)
