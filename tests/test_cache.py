@@ -68,3 +68,16 @@ def test_hidden_states_of_chosen_layers(targets, hf_models):
     assert hidden.shape == (1, 4, 3, target.config.hidden_size)
     for i in range(3):
         assert torch.allclose(hidden[:, :, i], reference[i], atol=1e-5)
+
+
+def test_logits_for_chosen_positions_on_both_backends(targets, hf_models):
+    """A [B, m] index of block columns gives the same logits as keeping them all and picking."""
+    target = targets["llama"]
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    everything, _ = target.forward(target.new_cache(2), tokens, logits_to_keep=5)
+    chosen = torch.tensor([[0, 3], [4, 4]])
+    picked, _ = target.forward(target.new_cache(2), tokens, logits_to_keep=chosen)
+    assert picked.shape == (2, 2, target.vocab_size)
+    assert torch.allclose(picked, everything[torch.arange(2)[:, None], chosen], atol=1e-5)
+    reference = hf_models["llama"](tokens).logits
+    assert torch.allclose(picked[1, 0], reference[1, 4], atol=1e-4)

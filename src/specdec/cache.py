@@ -54,8 +54,7 @@ class RaggedCache:
         """Append a block of columns and run the model on it.
 
         tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
-        logits_to_keep: the last m columns (int; 0 = all), or a LongTensor [B, m] of block columns
-        (native backend).
+        logits_to_keep: the last m columns (int; 0 = all), or a LongTensor [B, m] of block columns.
         block_mask: [B, n, m] bool (m >= n): which of the last m columns (the m - n columns before
         the block, then the block) each new token sees; earlier live columns are always seen.
         None: causal within the block. Token trees use it with explicit ``positions`` (depths).

@@ -225,21 +225,33 @@ def cache_bytes(cache: Cache) -> int:
 
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor,
-            cache: Cache, logits_to_keep: int, hidden_layers: tuple[int, ...] = ()):
-    """One cached forward pass; returns (logits [B, logits_to_keep, V], hidden [B, n, len(layers), H] or None).
+            cache: Cache, logits_to_keep, hidden_layers: tuple[int, ...] = ()):
+    """One cached forward pass; returns (logits [B, m, V], hidden [B, n, len(layers), H] or None).
+
+    ``logits_to_keep``: the last m columns (int; 0 = all) or a LongTensor [B, m] of block columns.
 
     ``attention_mask`` is a 2D padding mask [B, T], a 4D additive mask [B, 1, n, T], or a dict of
     such masks by layer kind. ``hidden_layers`` index HF's ``hidden_states`` tuple: 0 is the
     embedding output, i the output of decoder layer i (1-based).
     """
+    chosen = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else None
+    if chosen is not None:
+        logits_to_keep = 0
     keep = {"logits_to_keep": logits_to_keep} if _takes(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 cache=cache, use_cache=True, output_hidden_states=bool(hidden_layers), **keep)
     logits = out.logits if keep or not logits_to_keep else out.logits[:, -logits_to_keep:]
+    if chosen is not None:
+        logits = take_columns(logits, chosen)
     hidden = None
     if hidden_layers:
         hidden = torch.stack([out.hidden_states[i] for i in hidden_layers], dim=2)
     return logits, hidden
+
+
+def take_columns(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """logits [B, n, V] at per-row columns [B, m] -> [B, m, V]."""
+    return logits.gather(1, columns[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 def _takes(model, name: str) -> bool:
@@ -331,6 +343,8 @@ class RowwiseCache(RaggedCache):
             logits_out[row, index] = logits
             if hidden is not None:
                 hidden_out[row, index] = hidden
+        if isinstance(logits_to_keep, torch.Tensor):
+            return take_columns(logits_out, logits_to_keep), hidden_out
         return logits_out[:, n - logits_to_keep:], hidden_out
 
     def _row(self, row: int, tokens: torch.Tensor, positions: torch.Tensor, hidden_layers):
