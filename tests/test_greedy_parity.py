@@ -38,6 +38,13 @@ def stop_token_for(model, prompts):
     raise AssertionError("every continuation uses the same tokens; pick other prompts")
 
 
+def reference_with_stop(target, model, prompts):
+    """transformers' greedy outputs with a stop token that ends some rows only; sets it as the target's EOS."""
+    eos = stop_token_for(model, prompts)
+    target.eos_token_ids = (eos,)
+    return eos, [hf_greedy(model, p, MAX_NEW, eos) for p in prompts]
+
+
 def drafters_for(arch, backend, model_dirs):
     drafters = [NoDraft(), PromptLookup(max_ngram=3), DraftModel(model_dirs[f"{arch}-draft"], backend=backend),
                 DraftModel(model_dirs[arch], backend=backend)]  # the target as its own draft: all accepted
@@ -50,9 +57,7 @@ def drafters_for(arch, backend, model_dirs):
 def test_every_drafter_matches_transformers_greedy(arch, targets, hf_models, model_dirs, backend):
     target, model = targets[arch], hf_models[arch]
     prompts = target.encode(PROMPTS)
-    eos = stop_token_for(model, prompts)
-    target.eos_token_ids = (eos,)
-    reference = [hf_greedy(model, p, MAX_NEW, eos) for p in prompts]
+    eos, reference = reference_with_stop(target, model, prompts)
     assert any(r and r[-1] == eos for r in reference), "some row should stop at EOS"
     assert any(len(r) == MAX_NEW for r in reference), "some row should run to the limit"
     for drafter in drafters_for(arch, backend, model_dirs):

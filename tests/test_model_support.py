@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, MistralConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import specdec
 from specdec import hf
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
-from specdec.errors import CacheRollbackError, UnsupportedModelError
+from specdec.errors import UnsupportedModelError
 from specdec.target import Target, load_target
 from specdec.tiny import build_model
 
@@ -131,13 +131,6 @@ def test_eager_only_models_load_with_eager_and_say_so(tmp_path, tokenizer):
     assert target.backend.attention == "eager"
     out = specdec.generate(target, TEXTS[:2], drafter=PromptLookup(), max_new_tokens=8)
     assert out.stats.backend == "hf/eager"
-
-
-def test_cache_layers_that_drop_tokens_are_refused():
-    config = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(CacheRollbackError):
-        hf.check_rollback(DynamicCache(config=config))
 
 
 def test_generation_config_logits_processing_is_applied_exactly(tokenizer):

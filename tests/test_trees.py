@@ -9,7 +9,7 @@ from specdec import TreeConfig
 from specdec.drafters import DraftModel, PromptLookup
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
 from specdec.tiny import ARCHITECTURES
-from test_greedy_parity import MAX_NEW, PROMPTS, hf_greedy, stop_token_for
+from test_greedy_parity import MAX_NEW, PROMPTS, hf_greedy, reference_with_stop
 
 TREES = [TreeConfig(depth=3, topk=2, num_nodes=6), TreeConfig(depth=5, topk=4, num_nodes=16)]
 
@@ -18,9 +18,7 @@ TREES = [TreeConfig(depth=3, topk=2, num_nodes=6), TreeConfig(depth=5, topk=4, n
 def test_tree_drafters_match_transformers_greedy(arch, targets, hf_models, model_dirs, backend):
     target, model = targets[arch], hf_models[arch]
     prompts = target.encode(PROMPTS)
-    eos = stop_token_for(model, prompts)
-    target.eos_token_ids = (eos,)
-    reference = [hf_greedy(model, p, MAX_NEW, eos) for p in prompts]
+    _, reference = reference_with_stop(target, model, prompts)
     drafters = [PromptLookup(max_ngram=3), DraftModel(model_dirs[f"{arch}-draft"], backend=backend),
                 DraftModel(model_dirs[arch], backend=backend)]  # the target itself: whole paths accepted
     for drafter in drafters:

@@ -88,7 +88,7 @@ def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_
 def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
                  config: GenerationConfig) -> GenerationOutput:
     check_context(target, prompts, config)
-    if config.tree is not None and not getattr(target.backend, "supports_trees", True):
+    if config.tree is not None and not target.backend.supports_trees:
         raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees: "
                                     f"{target.backend.reason or 'it cannot take a tree attention mask'}")
     started = time.perf_counter()

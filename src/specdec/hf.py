@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import os
@@ -175,15 +176,6 @@ def new_cache() -> Cache:
     return Cache(layer_class_to_replicate=BufferedLayer)
 
 
-def check_rollback(cache: Cache) -> None:
-    """Refuse caches whose layers drop or transform tokens: rolling them back would be wrong."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, BufferedLayer):
-            raise CacheRollbackError(
-                f"cache layer {index} is a {type(layer).__name__}, which cannot be rolled back per row; "
-                "speculative decoding needs full-attention KV caches")
-
-
 def cache_tensors(cache: Cache):
     """Yield (layer, keys, values) for every initialised layer; keys/values are [B, H, T, D]."""
     for layer in cache.layers:
@@ -255,7 +247,13 @@ def take_columns(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 def _takes(model, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
+    """Whether the model's forward takes ``name`` (checked once per model class, not per pass)."""
+    return name in _parameters(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(model_class) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,6 +208,7 @@ class NativeBackend:
     """A Llama-family model on specdec's own forward pass (the transformers backend: ``hf.HFBackend``)."""
 
     name = "native"
+    supports_trees = True  # tree masks are part of its forward pass
 
     def __init__(self, model: llama.Llama):
         self.model = model

@@ -30,20 +30,26 @@ def continuation(tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
     return found
 
 
-def lookup_many(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int, matches: int) -> list[list[int]]:
-    """Up to ``matches`` distinct continuations of k tokens: longest tail n-gram first, and for each
-    n the most recent occurrences first. tokens: [L] long, the whole context."""
+def match_starts(tokens: torch.Tensor, max_ngram: int, min_ngram: int):
+    """Where continuations of the context's tail start: longest tail n-gram first, and for each n
+    the most recent earlier occurrence first. tokens: [L] long, the whole context."""
     length = tokens.shape[0]
-    found: list[list[int]] = []
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
         hits = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
         for hit in reversed(hits):
-            candidate = continuation(tokens, hit + n, k).tolist()
-            if candidate not in found:
-                found.append(candidate)
+            yield hit + n
+
+
+def lookup_many(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int, matches: int) -> list[list[int]]:
+    """Up to ``matches`` distinct continuations of k tokens, in the order of ``match_starts``."""
+    found: list[list[int]] = []
+    for start in match_starts(tokens, max_ngram, min_ngram):
+        candidate = continuation(tokens, start, k).tolist()
+        if candidate not in found:
+            found.append(candidate)
             if len(found) == matches:
-                return found
+                break
     return found
 
 
@@ -73,14 +79,8 @@ def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, k: int) -> torc
 
     tokens: [L] long, the whole context. Returns [k] long, or [0] when nothing matches.
     """
-    length = tokens.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        tail = tokens[length - n:]
-        windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
-        hits = (windows == tail).all(1).nonzero()
-        if hits.numel():
-            return continuation(tokens, int(hits[-1]) + n, k)
-    return tokens[:0]
+    start = next(match_starts(tokens, max_ngram, min_ngram), None)
+    return tokens[:0] if start is None else continuation(tokens, start, k)
 
 
 @dataclass(frozen=True)
