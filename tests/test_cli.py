@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -118,6 +119,37 @@ def test_missing_and_invalid_model_directories(capsys, tmp_path):
     (empty / "config.json").write_text('{"model_type": "llama"}')
     code, _, err = run(capsys, "generate", "--target", empty, "--prompt", "x")
     assert_one_line_error(code, err, "weights")
+
+
+@pytest.fixture(scope="module")
+def truncated_dir(tmp_path_factory, model_dirs):
+    """A copy of the tiny Llama whose model.safetensors lost its second half (an interrupted download)."""
+    broken = shutil.copytree(model_dirs["llama"], tmp_path_factory.mktemp("truncated") / "llama")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return broken
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+def test_truncated_weights_are_one_line(capsys, model_dirs, truncated_dir, tmp_path, backend, role):
+    models = {"--target": model_dirs["llama"], "--draft": model_dirs["llama-draft"], role: truncated_dir}
+    common = ["--target", models["--target"], "--draft", models["--draft"], "--backend", backend]
+    code, _, err = run(capsys, "generate", *common, "--drafter", "draft-model", "--prompt", "x = 1",
+                       "--max-new-tokens", 4)
+    assert_one_line_error(code, err, str(truncated_dir))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"x = 1"\n')
+    code, _, err = run(capsys, "bench", *common, "--prompts", prompts, "--no-transformers", "--max-new-tokens", 2)
+    assert_one_line_error(code, err, str(truncated_dir))
+
+
+def test_inexact_numerics_warning_is_one_line(capsys, model_dirs):
+    code, out, err = run(capsys, "generate", "--target", model_dirs["llama"], "--backend", "hf", "--dtype", "bf16",
+                         "--drafter", "prompt-lookup", "--prompt", "x = 1", "--max-new-tokens", 4, "--json")
+    assert code == 0 and json.loads(out)["stats"]["exact_numerics"] is False
+    assert err.startswith("specdec: warning: speculative output may differ from plain decoding in bfloat16")
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_draft_vocabulary_must_match(capsys, model_dirs, other_vocab_dir):

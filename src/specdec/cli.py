@@ -7,13 +7,15 @@ complete (output files are written to a temporary name, then renamed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 
 from .clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
                        check_output_path, make_drafter, write_atomic)
-from .errors import InvalidArgumentError, SpecdecError
+from .errors import InvalidArgumentError, NumericsWarning, SpecdecError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +113,22 @@ def run_generate(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def one_line_warnings():
+    """specdec's own warnings as one line on stderr, like its errors; other warnings as Python prints them."""
+    with warnings.catch_warnings():
+        default = warnings.showwarning
+
+        def show(message, category, *rest, **options):
+            if issubclass(category, NumericsWarning):
+                print(f"specdec: warning: {message}", file=sys.stderr)
+            else:
+                default(message, category, *rest, **options)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -120,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise InvalidArgumentError(f"--threads must be >= 1, got {args.threads}")
             import torch
             torch.set_num_threads(args.threads)
-        return int(args.func(args) or 0)
+        with one_line_warnings():
+            return int(args.func(args) or 0)
     except SpecdecError as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2

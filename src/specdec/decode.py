@@ -8,6 +8,7 @@ logits score every draft plus the token after them.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .batch import Sequences
 from .drafters.base import DecodeContext, Drafter, Proposal, TreeConfig
 from .drafters.none import NoDraft
-from .errors import ContextLengthError, InvalidArgumentError, UnsupportedModelError
+from .errors import ContextLengthError, InvalidArgumentError, NumericsWarning, UnsupportedModelError
 from .processors import GenerationProcessors
 from .sampling import SamplingConfig, probabilities, sample
 from .stats import Stats
@@ -91,13 +92,17 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     if config.tree is not None and not target.backend.supports_trees:
         raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees: "
                                     f"{target.backend.reason or 'it cannot take a tree attention mask'}")
+    exact = bool(getattr(target.backend, "exact_numerics", False))
+    if not exact and not isinstance(drafter, NoDraft):
+        warn_inexact(target)
     started = time.perf_counter()
     device = target.device
     batch = len(prompts)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     processors = GenerationProcessors.for_target(target, prompts, config.max_new_tokens)
     stats = Stats(drafter=drafter.name, draft_schedule=config.draft_schedule, batch_size=batch,
-                  backend=target.backend.description, logits_processors=processors.names if processors else [])
+                  backend=target.backend.description, exact_numerics=exact,
+                  logits_processors=processors.names if processors else [])
     outputs: list[list[int]] = [[] for _ in prompts]
     if config.max_new_tokens == 0:
         return _finish(target, outputs, stats, started)
@@ -179,6 +184,19 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     stats.cache_bytes = cache.memory_bytes
     stats.cache_grown = getattr(cache, "grown", 0)
     return _finish(target, outputs, stats, started)
+
+
+def warn_inexact(target: Target) -> None:
+    """Say once per target that its numerics depend on the block shape (only the target's decide the output)."""
+    if getattr(target, "_warned_inexact", False):
+        return
+    target._warned_inexact = True
+    backend = target.backend
+    dtype = str(getattr(backend, "dtype", "this dtype")).removeprefix("torch.")
+    fix = "float32" if getattr(backend, "name", "") == "native" else "float32 or the native backend"
+    warnings.warn(f"speculative output may differ from plain decoding in {dtype} on the {backend.description} "
+                  f"backend (its numerics depend on the block shape); use {fix} for identical output",
+                  NumericsWarning, stacklevel=3)
 
 
 def cache_capacity(prompts: list[list[int]], config: GenerationConfig) -> int:

@@ -1,4 +1,4 @@
-"""Exceptions for input the user can fix; the CLI prints them as one line."""
+"""Exceptions for input the user can fix, and warnings; the CLI prints them as one line."""
 
 
 class SpecdecError(Exception):
@@ -31,3 +31,7 @@ class PromptFileError(SpecdecError):
 
 class UnsupportedModelError(CacheRollbackError):
     """The model keeps state or masks attention in a way speculative rollback cannot reproduce."""
+
+
+class NumericsWarning(UserWarning):
+    """The target's numerics depend on the block shape, so speculative output may differ from plain decoding."""

@@ -455,6 +455,15 @@ class HFBackend:
         return int(self.model.config.get_text_config(decoder=True).num_hidden_layers)
 
     @property
+    def exact_numerics(self) -> bool:
+        """Whether a row's logits come out the same whatever the block shape, so speculative output
+        equals plain decoding: True in float32/float64, False in bfloat16/float16, where transformers'
+        kernels compute a row differently by the number of rows in a pass and flip near-ties. float32
+        is not strictly shape-invariant either (rounding-sized differences, within the probe's 1e-4),
+        but has not flipped a token in any check."""
+        return self.dtype in (torch.float32, torch.float64)
+
+    @property
     def attention(self) -> str:
         return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
 

@@ -30,17 +30,17 @@ DEFAULT_CAPACITY = 256
 class Block:
     """A block of new columns on its way up the network.
 
-    Everything that depends only on the block (attention masks, RoPE rotations) is computed once
-    when it starts, so its layers can run in several calls without redoing the bookkeeping.
+    Everything that depends only on the block (visibility masks, positions, the kernels' block
+    parameters) is computed once when it starts, so its layers can run in several calls.
     """
 
     hidden: torch.Tensor                   # [B * n, H]: the input of layer ``layer``
     shape: tuple[int, int]                 # (B, n)
     past: int                              # the block's first cache column
     layer: int                             # the next layer to run; num_layers when all have run
-    rope: torch.Tensor                     # [B, n, 1, D/2] complex
-    masks: dict[Window, torch.Tensor | None]  # window -> additive mask [B, 1, n * g or 1, past + n]
-    slots: llama.Slots                     # where its layers write and read in the cache
+    positions: torch.Tensor                # [B * n] int64 (kept alive for ``params``)
+    masks: dict[Window, torch.Tensor | None]  # window -> visible [B, n, past + n] bool, None: all
+    params: llama.BlockParams              # shape, positions, cache strides, work buffers
     work: llama.Scratch                    # work buffers of its shape
     hidden_layers: tuple[int, ...] = ()    # taps requested, transformers' indexing (see NativeCache.begin)
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> [B, n, H]
@@ -106,9 +106,8 @@ class NativeCache(RaggedCache):
         model = self.model
         stop = min(stop, len(model.layers))
         for index in range(block.layer, stop):
-            mask = block.masks[model.layers[index].window]
-            block.hidden = llama.decoder_layer(model, index, block.hidden, block.rope, mask, block.slots,
-                                               block.work)
+            visible = block.masks[model.layers[index].window]
+            block.hidden = llama.decoder_layer(model, index, block.hidden, block.params, self.kv, visible)
             block.layer = index + 1
             if block.layer in block.hidden_layers and block.layer < len(model.layers):
                 block.taps[block.layer] = block.states
@@ -125,15 +124,13 @@ class NativeCache(RaggedCache):
         model, last = self.model, len(self.model.layers)
         self.advance(block, last)
         states = block.states  # [B, n, H]
-        normed = last in block.hidden_layers  # transformers' last hidden state is the final-normed one
-        if normed:
-            states = llama.normalize(states, model.eps_hidden)
-            block.taps[last] = states * model.norm
+        if last in block.hidden_layers:  # transformers' last hidden state is the final-normed one
+            block.taps[last] = model.final_norm(states)
         if isinstance(logits_to_keep, torch.Tensor):
             states = states.gather(1, logits_to_keep[:, :, None].expand(-1, -1, states.shape[2]))
         elif logits_to_keep:
             states = states[:, -logits_to_keep:]
-        logits = states @ model.head if normed else model.logits(states)  # [B, m, V]
+        logits = model.logits(states)  # [B, m, V]
         hidden = None
         if block.hidden_layers:
             hidden = torch.stack([block.taps[i] for i in block.hidden_layers], dim=2)
@@ -156,14 +153,16 @@ class NativeCache(RaggedCache):
         if n == 1 and block_mask is None and windows.keys() == {FULL} and bool(self.valid.all()):
             masks = {FULL: None}  # one token that sees every column (plain decoding): no mask at all
         else:
-            masks = {window: self._mask(positions, past, block_mask, window) for window in windows}
+            masks = {window: self.visible(positions, past, block_mask, window).contiguous() for window in windows}
         count = len(model.layers) + 1
         if any(not -count <= i < count for i in hidden_layers):
             raise InvalidArgumentError(f"hidden_layers {hidden_layers} outside [-{count}, {count})")
         hidden_layers = tuple(i % count for i in hidden_layers)
         x = F.embedding(tokens.reshape(-1), model.embed)  # [B * n, H]
-        block = Block(x, (batch, n), past, 0, model.rope(positions), masks, llama.slots(self.kv, past, n),
-                      self._scratch(batch, n), hidden_layers)
+        flat = positions.reshape(-1).contiguous()
+        work = self._scratch(batch, n)
+        block = Block(x, (batch, n), past, 0, flat, masks, llama.block_params(model, self.kv, past, flat, work), work,
+                      hidden_layers)
         if 0 in hidden_layers:
             block.taps[0] = block.states
         return block
@@ -176,10 +175,6 @@ class NativeCache(RaggedCache):
             if batch * n <= 256:
                 self.scratch[(batch, n)] = work
         return work
-
-    def _mask(self, positions, past, block_mask, window) -> torch.Tensor:
-        seen = self.visible(positions, past, block_mask, window)  # [B, n, T]
-        return llama.additive_mask(seen, self.model.group, self.model.dtype)
 
     def _grow(self, past: int, needed: int) -> None:
         kv = self.kv.new_zeros(*self.kv.shape[:4], max(needed, 2 * self.capacity), self.kv.shape[5])
@@ -232,6 +227,16 @@ class NativeBackend:
             return llama.unsupported(config) or (
                 None if safetensors else "no safetensors weights (the native backend reads no pickle files)")
         return llama.unsupported(path_or_config)
+
+    @staticmethod
+    def supports_run(dtype: torch.dtype, device) -> str | None:
+        """None when the kernels run this dtype on this device here, else the reason."""
+        return llama.unsupported_run(dtype, device)
+
+    @property
+    def exact_numerics(self) -> bool:
+        """A row's outputs are bit for bit the same whatever block it is computed in (kernels.c)."""
+        return True
 
     @property
     def description(self) -> str:

@@ -17,6 +17,8 @@ class Stats:
     draft_schedule: str = "constant"
     batch_size: int = 0
     backend: str = ""                 # how the target ran: "hf/sdpa", "hf/eager/rowwise", "native"
+    exact_numerics: bool = False      # the target computes a row bit for bit alike in any block shape, so
+                                      # speculative output equals plain decoding (a drafter's never matter)
     logits_processors: list[str] = field(default_factory=list)  # generation-config processing applied
     cache_bytes: int = 0              # the target's KV cache at the end (preallocated size on native)
     cache_grown: int = 0              # times a preallocated cache had to grow (0 when sized right)
@@ -128,7 +130,7 @@ class Stats:
     def summary(self) -> str:
         lines = [
             f"drafter {self.drafter} ({self.draft_schedule} k, mean k {self.mean_k:.2f}), batch {self.batch_size}, "
-            f"backend {self.backend or '?'}"
+            f"backend {self.backend or '?'} ({'exact' if self.exact_numerics else 'inexact'} numerics)"
             + (f", logits processing {', '.join(self.logits_processors)}" if self.logits_processors else ""),
             f"new tokens {self.new_tokens}, target forwards {self.target_forwards}, "
             f"{self.tokens_per_second:.1f} tokens/s",

@@ -137,7 +137,7 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
     hf.check_model_dir(path)
     if backend != "hf":
         from .native import NativeBackend
-        reason = NativeBackend.supports(path)
+        reason = NativeBackend.supports(path) or NativeBackend.supports_run(dtype, device)
         if reason is None:
             return NativeBackend.load(path, dtype=dtype, device=device), None
         if backend == "native":

@@ -13,28 +13,37 @@ import torch
 
 from .. import hf
 from ..batch import Sequences
-from ..errors import ContextLengthError, VocabularyMismatchError
+from ..errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
 from ..sampling import probabilities, sample
 from .base import DecodeContext, Proposal
-from ..target import load_backend
+from ..target import Target, load_backend
 
 
 class DraftModel:
     name = "draft-model"
 
-    def __init__(self, model: str | os.PathLike | torch.nn.Module, dtype: torch.dtype = torch.float32,
+    def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", backend: str = "auto"):
-        """``model``: a model directory, or a transformers model already loaded (runs on "hf").
+        """``model``: a model directory, a transformers model already loaded (runs on "hf"), or a
+        ``Target``, which then drafts on its own backend (self-draft; ``target.model`` is None on native).
 
-        ``backend`` as for ``load_target``: "native", "hf" or "auto" (native where supported).
+        ``backend`` as for ``load_target``: "native", "hf" or "auto" (native where supported);
+        ``dtype``, ``device`` and ``backend`` apply to directories only.
         """
-        if isinstance(model, torch.nn.Module):
+        if isinstance(model, Target):
+            self.backend, self.model, self.tokenizer = model.backend, model.model, model.tokenizer
+            self.path = model.path
+        elif isinstance(model, torch.nn.Module):
             self.model, self.tokenizer, self.path = model.eval(), None, None
             self.backend = hf.HFBackend.for_model(self.model)
-        else:
+        elif isinstance(model, (str, os.PathLike)):
             self.backend, self.model = load_backend(model, dtype, device, backend)
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
+        else:  # None is typically target.model of a native target
+            hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
+            raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
+                                       f"got {type(model).__name__}{hint}")
 
     @property
     def vocab_size(self) -> int:

@@ -1,25 +1,27 @@
 """Specdec's own forward pass for the Llama family: llama, qwen2, qwen3 and mistral checkpoints.
 
-Why own it: at the sizes specdec runs on a CPU, a forward pass costs about 10 us per tensor
-operation whatever its arithmetic, so the time goes to the number of operations, not to the
-matrices. A decoder layer here is sixteen operations (transformers' module tree runs about three
-times that), all of them on tensors of a block's few new tokens:
+Why own it: speculative decoding promises the target's own output, and a row's logits must not
+depend on the block it was computed in (alone in plain decoding, behind k drafts in a
+verification, under a tree mask, beside other rows of a ragged batch). Library kernels pick their
+reduction order from each call's shape, so they cannot keep that promise; the kernels in
+``kernels.c`` do (see ``kernels.py``), in float32, bfloat16 and float16. Owning the pass also
+keeps it short: a decoder layer is one call into the kernels,
 
-    norm -> qkv matmul (+ q/k norms) -> RoPE on q and on k -> keys and values into the cache (one
-    copy) -> attention over the cache -> output matmul + residual -> norm -> gate/up matmul
-    -> silu * up -> down matmul + residual
+    norm + qkv product (+ q/k norms) -> RoPE on q and k -> keys and values into the cache
+    -> attention over the cache -> output product + residual -> norm + gate/up product
+    -> silu * up -> down product + residual
+
+so its cost is arithmetic, not the ~10 us of bookkeeping per tensor operation that a CPU pays.
 
 Layout choices, invisible from outside:
-- q/k/v are one matrix and gate/up another; every matrix is stored transposed, [in, out], and used
-  as ``x @ w`` (``addmm`` folds the residual add into the output projections).
+- q/k/v are one matrix and gate/up another, stored [in, out] and packed into panels of 16 output
+  columns (``kernels.Matrix``); each RMSNorm's weight is folded into the matrix after it.
 - RoPE rotates dimension i of a head with dimension i + D/2. The rows of q and k are permuted per
-  head at load time so that each such pair sits side by side, which makes the rotation one complex
-  multiplication. q and k get the same permutation, so attention scores are unchanged; only the
-  cached keys are stored in that order.
-- Grouped-query attention stacks the g query heads that share a key head along the query axis
-  ([B, kv, n * g, D]), so keys and values are never repeated. The query heads are reordered at
-  load time (q rows, o columns) from (key head, j) to (j, key head), so that RoPE writes the
-  queries straight into that stacked layout and attention's output is already [B * n, heads * D].
+  head at load time so that each such pair sits side by side. q and k get the same permutation,
+  so attention scores are unchanged; only the cached keys are stored in that order.
+- Grouped-query attention: the query heads are reordered at load time (q rows, o columns) from
+  (key head, j) to (j, key head), so query head h reads key head h % kv_heads, and keys and
+  values are never repeated.
 
 The weights are read from ``model.safetensors`` (or its sharded index), never from pickle files;
 the config through transformers' AutoConfig, which normalises RoPE parameters across versions.
@@ -27,6 +29,7 @@ the config through transformers' AutoConfig, which normalises RoPE parameters ac
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -38,29 +41,51 @@ import torch.nn.functional as F
 
 from ..cache import FULL, Window
 from ..errors import ModelLoadError, UnsupportedModelError
+from . import kernels
+from .kernels import Matrix
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED = ("model_type llama, qwen2, qwen3 or mistral with a silu MLP, default/linear/llama3 RoPE "
-             "and safetensors weights")
-TRANSPOSED = True  # store matrices as [in, out] (x @ w); measured faster than F.linear's [out, in] here
+             "and safetensors weights, in float32, bfloat16 or float16")
+
+
+class LayerParams(ctypes.Structure):
+    """``struct sd_layer`` of kernels.c: one layer's weights and sizes."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias")] + [
+        (name, ctypes.c_long) for name in ("hidden", "heads", "kv", "head_dim", "inner")] + [
+        (name, ctypes.c_float) for name in ("eps", "head_eps", "scale")] + [("dtype", ctypes.c_int)]
+
+
+class BlockParams(ctypes.Structure):
+    """``struct sd_block`` of kernels.c: a block's shape, positions, cache and work buffers."""
+
+    _fields_ = [("batch", ctypes.c_long), ("n", ctypes.c_long), ("past", ctypes.c_long),
+                ("positions", ctypes.c_void_p), ("visible", ctypes.c_void_p), ("keys", ctypes.c_void_p),
+                ("values", ctypes.c_void_p), ("ld_b", ctypes.c_long), ("ld_h", ctypes.c_long),
+                ("rope", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("attn", ctypes.c_void_p),
+                ("gate_up", ctypes.c_void_p), ("act", ctypes.c_void_p)]
 
 
 @dataclass
 class Layer:
-    """One decoder layer's tensors, in the layout the forward pass uses."""
+    """One decoder layer's tensors, in the layout the kernels use."""
 
-    qkv: torch.Tensor                  # [H, (heads + 2 kv) D]: q/k in pair order, input norm folded in
+    qkv: Matrix                        # [H, (heads + 2 kv) D]: q/k in pair order, input norm folded in
     qkv_bias: torch.Tensor | None      # [(heads + 2 kv) D] (qwen2, attention_bias)
-    q_norm: torch.Tensor | None        # [D] (qwen3: RMSNorm of each head before RoPE)
+    q_norm: torch.Tensor | None        # [D] (qwen3: RMSNorm of each head before RoPE), pair order
     k_norm: torch.Tensor | None        # [D]
-    o: torch.Tensor                    # [heads D, H]
+    o: Matrix                          # [heads D, H]
     o_bias: torch.Tensor | None        # [H]
-    gate_up: torch.Tensor              # [H, 2 I], post-attention norm folded in
+    gate_up: Matrix                    # [H, 2 I], post-attention norm folded in
     gate_up_bias: torch.Tensor | None  # [2 I] (mlp_bias)
-    down: torch.Tensor                 # [I, H]
+    down: Matrix                       # [I, H]
     down_bias: torch.Tensor | None     # [H]
     window: Window = FULL              # which earlier tokens the layer attends to
+    params: LayerParams = field(default=None, repr=False)  # the same, for the kernels
 
 
 @dataclass
@@ -70,15 +95,14 @@ class Llama:
     config: object                     # the HF config it was read from
     embed: torch.Tensor                # [V, H]
     layers: list[Layer]
-    norm: torch.Tensor                 # [H] the final norm's weight times sqrt(H) (see normalize)
-    head: torch.Tensor                 # [H, V], the final norm folded in (a copy of embed when tied)
+    norm: torch.Tensor                 # [H] the final norm's weight (for transformers' last hidden state)
+    head: Matrix                       # [H, V], the final norm folded in (a copy of embed when tied)
     inv_freq: torch.Tensor             # [D/2] float32
     heads: int
     kv_heads: int
     head_dim: int
-    eps_hidden: torch.Tensor           # sqrt(H * eps), for rms_norm over H
-    eps_head: torch.Tensor             # sqrt(D * eps), for the q/k norms over D
-    rope_table: torch.Tensor = field(default=None, repr=False)  # [P, D/2] complex, grown on demand
+    eps: float                         # RMSNorm epsilon
+    rope_table: torch.Tensor = field(default=None, repr=False)  # [P, D/2, 2] float32 cos, sin; grown on demand
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,16 +118,12 @@ class Llama:
 
     @property
     def vocab_size(self) -> int:
-        return self.head.shape[1]
+        return self.head.cols
 
     @property
     def group(self) -> int:
         """Query heads per key/value head."""
         return self.heads // self.kv_heads
-
-    def rope(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotations of positions [B, n]: [B, n, 1, D/2] complex, gathered from the table (see reserve)."""
-        return self.rope_table[positions].unsqueeze(2)
 
     def reserve(self, length: int) -> None:
         """Make the RoPE table cover positions [0, length) (doubling, so this rarely recomputes)."""
@@ -112,52 +132,19 @@ class Llama:
             return
         length = max(length, 2 * have, 256)
         angles = torch.arange(length, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
-        self.rope_table = torch.complex(angles.cos(), angles.sin())  # [P, D/2] complex64
+        self.rope_table = torch.stack([angles.cos(), angles.sin()], dim=-1).contiguous()  # [P, D/2, 2]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [..., H] that have not been normed yet: [..., V]."""
-        return normalize(hidden, self.eps_hidden) @ self.head
+        return kernels.linear(hidden.contiguous(), self.head, norm_eps=self.eps)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm with its weight (transformers' last hidden state): [..., H]."""
+        return kernels.rms_norm(hidden.contiguous(), self.norm, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------
 # The forward pass.
-
-def normalize(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """RMSNorm without its weight, divided by sqrt(S) for size S: x / sqrt(|x|^2 + S eps).
-
-    eps is the tensor sqrt(S eps). Three small operations where the textbook form takes five
-    (F.rms_norm is no faster on a CPU); the weight, times sqrt(S), is folded into the matrix that
-    follows (``load``), or multiplied by ``rms_norm``.
-    """
-    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over the last dimension, with ``weight`` stored times sqrt(S) (see ``normalize``)."""
-    return normalize(x, eps) * weight
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, in] @ w [in, out] (+ bias) (+ residual), in one operation where possible."""
-    if residual is not None:
-        result = torch.addmm(residual, x, w, out=out)
-        return result if bias is None else result.add_(bias)
-    return torch.mm(x, w, out=out) if bias is None else torch.addmm(bias, x, w, out=out)
-
-
-def pairs(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] real in pair order as [..., D/2] complex (a view)."""
-    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-
-
-def rotate(x: torch.Tensor, rope: torch.Tensor, out: torch.Tensor) -> None:
-    """out = RoPE of x: x, out [B, n, heads, D] in pair order; rope [B, n, 1, D/2] complex."""
-    if out.dtype in (torch.float32, torch.float64):
-        torch.mul(pairs(x), rope, out=pairs(out))
-    else:  # half precisions have no complex type: rotate in float32
-        out.copy_(torch.view_as_real(pairs(x.float()) * rope).flatten(-2))
-
 
 def new_kv(model: Llama, batch: int, capacity: int) -> torch.Tensor:
     """A KV cache: [layers, 2 (keys, values), B, kv, capacity, D], keys in pair order."""
@@ -167,95 +154,55 @@ def new_kv(model: Llama, batch: int, capacity: int) -> torch.Tensor:
 
 @dataclass
 class Scratch:
-    """Work buffers for blocks of one shape, reused by every layer (and by later blocks of that shape).
-
-    Each projection writes its buffer in place and the views into it are made once, so a layer
-    only computes. Grouped-query attention stacks the g query heads that share a key head along
-    the query axis (row i * g + j is token i, head j of the group): keys and values never repeat.
-    """
+    """Work buffers for blocks of one shape, reused by every layer (and by later blocks of that shape)."""
 
     shape: tuple[int, int]             # (B, n)
-    qkv: torch.Tensor                  # [B * n, (heads + 2 kv) D]: the q/k/v projection
-    q: torch.Tensor                    # [B, n, heads, D], a view of qkv; heads in (j, key head) order
-    k: torch.Tensor                    # [B, n, kv, D], rotated in place
-    kv: torch.Tensor                   # [2, B, kv, n, D]: keys and values as the cache holds them
-    queries: torch.Tensor              # [B, n, heads, D]: where RoPE writes the queries
-    stacked: torch.Tensor              # [B, kv, n * g, D]: the same memory as attention reads it
-    gate_up: torch.Tensor              # [B * n, 2 I]: the gate/up projection
-    gate: torch.Tensor                 # [B * n, I]
-    up: torch.Tensor                   # [B * n, I]
-    pairs: tuple | None                # complex views of (q, k, queries) for one-step RoPE (fp32/fp64)
+    qkv: torch.Tensor                  # [B * n, (heads + 2 kv) D]
+    attn: torch.Tensor                 # [B * n, heads D]
+    gate_up: torch.Tensor              # [B * n, 2 I]
+    act: torch.Tensor                  # [B * n, I]
 
 
 def scratch(model: Llama, batch: int, n: int) -> Scratch:
-    heads, kv, group, dim = model.heads, model.kv_heads, model.group, model.head_dim
-    qkv = model.embed.new_empty(batch * n, model.layers[0].qkv.shape[1])
-    heads_of = qkv.view(batch, n, heads + 2 * kv, dim)
-    q, k = heads_of[:, :, :heads], heads_of[:, :, heads:heads + kv]
-    keys_values = heads_of[:, :, heads:].unflatten(2, (2, kv)).permute(2, 0, 3, 1, 4)
-    queries = model.embed.new_empty(batch, n, heads, dim)  # heads in (j, key head) order
-    stacked = queries.view(batch, n * group, kv, dim).transpose(1, 2)
-    gate_up = model.embed.new_empty(batch * n, model.layers[0].gate_up.shape[1])
-    gate, up = gate_up.chunk(2, dim=1)
-    complex_views = None
-    if model.dtype in (torch.float32, torch.float64):
-        complex_views = (pairs(q), pairs(k), pairs(queries))
-    return Scratch((batch, n), qkv, q, k, keys_values, queries, stacked, gate_up, gate, up, complex_views)
+    rows, layer = batch * n, model.layers[0]
+    empty = model.embed.new_empty
+    return Scratch((batch, n), empty(rows, layer.qkv.cols), empty(rows, model.heads * model.head_dim),
+                   empty(rows, layer.gate_up.cols), empty(rows, layer.gate_up.cols // 2))
 
 
-@dataclass
-class Slots:
-    """A block's views of the cache, per layer: made once per block, not once per layer."""
-
-    new: tuple[torch.Tensor, ...]     # [2, B, kv, n, D]: the block's columns [past, past + n)
-    keys: tuple[torch.Tensor, ...]    # [B, kv, past + n, D]: the columns attention reads
-    values: tuple[torch.Tensor, ...]  # [B, kv, past + n, D]
-
-
-def slots(kv: torch.Tensor, past: int, n: int) -> Slots:
-    """The slots of a block of n columns written at [past, past + n) of the cache ``kv``."""
-    stop = past + n
-    return Slots(kv[..., past:stop, :].unbind(0), kv[:, 0, ..., :stop, :].unbind(0),
-                 kv[:, 1, ..., :stop, :].unbind(0))
+def block_params(model: Llama, kv: torch.Tensor, past: int, positions: torch.Tensor, work: Scratch) -> BlockParams:
+    """What every layer of a block shares; ``positions`` [B * n] int64 must stay alive with it."""
+    batch, n = work.shape
+    return BlockParams(batch, n, past, positions.data_ptr(), None, None, None, kv.stride(2), kv.stride(3),
+                       model.rope_table.data_ptr(), work.qkv.data_ptr(), work.attn.data_ptr(),
+                       work.gate_up.data_ptr(), work.act.data_ptr())
 
 
-def decoder_layer(model: Llama, index: int, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor,
-                  slots: Slots, work: Scratch) -> torch.Tensor:
-    """Layer ``index`` on a block: x [B * n, H] -> [B * n, H], writing its keys and values.
+def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams, kv: torch.Tensor,
+                  visible: torch.Tensor | None) -> torch.Tensor:
+    """Layer ``index`` on a block: x [B * n, H] -> a new [B * n, H], writing its keys and values.
 
-    rope: [B, n, 1, D/2] rotations; mask: additive [B, 1, n * g or 1, past + n] (``additive_mask``).
-    The norms' weights are folded into qkv and gate_up.
+    kv: the whole cache [L, 2, B, kv, capacity, D]; visible: [B, n, past + n] bool (which columns
+    each new token sees), or None when every token sees every column.
     """
-    layer, (batch, n) = model.layers[index], work.shape
-    linear(normalize(x, model.eps_hidden), layer.qkv, layer.qkv_bias, out=work.qkv)
-    if work.pairs is not None and layer.q_norm is None:  # RoPE in one multiplication each
-        q, k, queries = work.pairs
-        torch.mul(q, rope, out=queries)
-        torch.mul(k, rope, out=k)
-    else:
-        q, k = work.q, work.k
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm, model.eps_head), rms_norm(k, layer.k_norm, model.eps_head)
-        rotate(q, rope, work.queries)
-        rotate(k, rope, work.k)
-    slots.new[index].copy_(work.kv)  # the block's keys and values into the cache, in one copy
-    out = F.scaled_dot_product_attention(work.stacked, slots.keys[index], slots.values[index], attn_mask=mask)
-    out = out.transpose(1, 2).reshape(batch * n, -1)  # a view: the output has the queries' memory layout
-    x = linear(out, layer.o, layer.o_bias, residual=x)
-    linear(normalize(x, model.eps_hidden), layer.gate_up, layer.gate_up_bias, out=work.gate_up)
-    return linear(F.silu(work.gate) * work.up, layer.down, layer.down_bias, residual=x)
+    out = torch.empty_like(x)
+    block.keys, block.values = kv[index, 0].data_ptr(), kv[index, 1].data_ptr()
+    block.visible = None if visible is None else visible.data_ptr()
+    if kernels.library().sd_decoder_layer(ctypes.byref(model.layers[index].params), ctypes.byref(block),
+                                          x.data_ptr(), out.data_ptr()):
+        raise MemoryError("the native forward pass could not allocate its work memory")
+    return out
 
 
-def additive_mask(seen: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """A [B, n, T] visibility mask as the additive mask ``decoder_layer`` takes: [B, 1, n * g, T].
+def layer_params(layer: Layer, model: Llama) -> LayerParams:
+    def ptr(t):
+        return None if t is None else (t.packed if isinstance(t, Matrix) else t).data_ptr()
 
-    Additive, with the dtype's lowest finite value, because a query that sees nothing (left
-    padding, a hole) must still get finite outputs: with a boolean mask some attention kernels
-    return NaN there, which the next layer stores as keys and values, and 0 * NaN poisons every row.
-    """
-    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-    mask = mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
-    return mask if group == 1 or seen.shape[1] == 1 else mask.repeat_interleave(group, dim=2)
+    return LayerParams(ptr(layer.qkv), ptr(layer.qkv_bias), ptr(layer.q_norm), ptr(layer.k_norm), ptr(layer.o),
+                       ptr(layer.o_bias), ptr(layer.gate_up), ptr(layer.gate_up_bias), ptr(layer.down),
+                       ptr(layer.down_bias), model.hidden_size, model.heads, model.kv_heads, model.head_dim,
+                       layer.gate_up.cols // 2, model.eps, model.eps, model.head_dim ** -0.5,
+                       kernels.DTYPES[model.dtype])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,19 +268,33 @@ def layer_windows(config) -> list[Window]:
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` or of the shards its index lists."""
+    """Every tensor of ``model.safetensors`` or of the shards its index lists; a truncated, corrupt or
+    missing file is a one-line ModelLoadError naming it (safetensors' own errors are tracebacks)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    def unreadable(file: Path, exc: Exception) -> ModelLoadError:
+        text = str(exc).strip()
+        return ModelLoadError(f"cannot read weights file {file}: "
+                              f"{text.splitlines()[0] if text else type(exc).__name__}")
+
+    index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").is_file():
-        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise unreadable(index, exc) from None
     else:
         raise ModelLoadError(f"no safetensors weights in {path} (the native backend reads no pickle files)")
     weights = {}
     for file in files:
-        weights.update(load_file(file))
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise unreadable(file, exc) from None
     return weights
 
 
@@ -376,7 +337,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """Read an HF Llama-family directory into a ``Llama``; UnsupportedModelError names what runs."""
     path = Path(path)
     config = read_config(path)
-    reason = unsupported(config)
+    reason = unsupported(config) or unsupported_run(dtype, device)
     if reason:
         raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     weights = read_weights(path)
@@ -389,21 +350,21 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             if required:
                 raise ModelLoadError(f"{path} lacks the tensor {name}")
             return None
-        return weights[name].to(device=device, dtype=dtype)
+        return weights[name].to(device=device, dtype=torch.float32)
 
-    def norm(name: str) -> torch.Tensor:  # an RMSNorm weight over H, times sqrt(H) (see normalize)
-        return get(name) * hidden ** 0.5
+    def small(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype).contiguous()
 
-    def matrix(w: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
-        """[out, in] -> [in, out], with the weight of the norm before it folded into its rows."""
+    def matrix(w: torch.Tensor, norm: torch.Tensor | None = None) -> Matrix:
+        """[out, in] -> packed [in, out], the weight of the norm before it folded into its rows (in float32)."""
         w = w.t() if norm is None else w.t() * norm[:, None]
-        return w.contiguous() if TRANSPOSED else w.t().contiguous().t()
+        return Matrix.pack(w.to(dtype))
 
     def joined(names: list[str], size: list[int]) -> torch.Tensor | None:
         parts = [get(name, required=False) for name in names]
         if all(part is None for part in parts):
             return None
-        return torch.cat([part if part is not None else torch.zeros(n, dtype=dtype, device=device)
+        return torch.cat([part if part is not None else torch.zeros(n, device=device)
                           for part, n in zip(parts, size)])
 
     layers = []
@@ -420,22 +381,37 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             qkv_bias = torch.cat([q_bias, pair_halves(k_bias, kv, dim), v_bias])
         q_norm, k_norm = get(a + "q_norm.weight", required=False), get(a + "k_norm.weight", required=False)
         if q_norm is not None:
-            q_norm, k_norm = (pair_halves(w, 1, dim) * dim ** 0.5 for w in (q_norm, k_norm))
+            q_norm, k_norm = (pair_halves(w, 1, dim) for w in (q_norm, k_norm))
         layers.append(Layer(
-            qkv=matrix(torch.cat([q, k, get(a + "v_proj.weight")]), norm(at + "input_layernorm.weight")),
-            qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+            qkv=matrix(torch.cat([q, k, get(a + "v_proj.weight")]), get(at + "input_layernorm.weight")),
+            qkv_bias=small(qkv_bias), q_norm=small(q_norm), k_norm=small(k_norm),
             o=matrix(group_major(get(a + "o_proj.weight").t(), kv, dim).t()),
-            o_bias=get(a + "o_proj.bias", required=False),
+            o_bias=small(get(a + "o_proj.bias", required=False)),
             gate_up=matrix(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
-                           norm(at + "post_attention_layernorm.weight")),
-            gate_up_bias=joined([m + "gate_proj.bias", m + "up_proj.bias"], [config.intermediate_size] * 2),
-            down=matrix(get(m + "down_proj.weight")), down_bias=get(m + "down_proj.bias", required=False),
+                           get(at + "post_attention_layernorm.weight")),
+            gate_up_bias=small(joined([m + "gate_proj.bias", m + "up_proj.bias"], [config.intermediate_size] * 2)),
+            down=matrix(get(m + "down_proj.weight")), down_bias=small(get(m + "down_proj.bias", required=False)),
             window=window))
     embed = get("model.embed_tokens.weight")
     head = embed if getattr(config, "tie_word_embeddings", False) else get("lm_head.weight")
-    eps = float(config.rms_norm_eps)
-    final = norm("model.norm.weight")
-    return Llama(config=config, embed=embed, layers=layers, norm=final, head=matrix(head, final),
-                 inv_freq=inverse_frequencies(config, dim).to(device), heads=heads, kv_heads=kv, head_dim=dim,
-                 eps_hidden=torch.tensor((hidden * eps) ** 0.5, dtype=dtype, device=device),
-                 eps_head=torch.tensor((dim * eps) ** 0.5, dtype=dtype, device=device))
+    final = get("model.norm.weight")
+    model = Llama(config=config, embed=small(embed), layers=layers, norm=small(final), head=matrix(head, final),
+                  inv_freq=inverse_frequencies(config, dim).to(device), heads=heads, kv_heads=kv, head_dim=dim,
+                  eps=float(config.rms_norm_eps))
+    for layer in layers:
+        layer.params = layer_params(layer, model)
+    return model
+
+
+def unsupported_run(dtype: torch.dtype, device) -> str | None:
+    """Why the kernels cannot run this dtype on this device here, or None."""
+    if torch.device(device).type != "cpu":
+        return f"device {device} (its kernels run on the CPU)"
+    if dtype not in DTYPES:
+        return f"dtype {dtype}"
+    reason = kernels.available()
+    if reason:
+        return reason
+    if not kernels.supported_dtype(dtype):
+        return f"dtype {dtype} (this C compiler has no half-precision type)"
+    return None

@@ -1,0 +1,537 @@
+/* Shape-invariant kernels for specdec's native forward pass (see kernels.py for why).
+ *
+ * The rule every function here keeps: an output element is computed by one fixed sequence of
+ * floating-point operations that depends only on the sizes of the model (hidden size, head size,
+ * vocabulary), never on how many rows a call has, where a row sits in the call, how many cache
+ * columns there are or which of them are visible. So a row's result is bit for bit the same
+ * alone, with drafts behind it, under a tree mask or beside other rows of a ragged batch.
+ *
+ * - Matrix products: each output is fma(x[0], w[0], 0), then fma(x[k], w[k], acc) for k = 1..K-1,
+ *   in order, in float32. Rows and columns only choose which register holds the chain.
+ * - Sums over a row (norms): eight lanes, element i into lane i % 8, lanes added as a fixed tree.
+ * - Attention: scores are the same FMA chain over the head dimension; softmax and the weighted
+ *   sum of values run over cache columns in order, and a column the query does not see adds an
+ *   exact zero (the maximum skips it), so holes, padding and compaction change nothing.
+ * - bfloat16 tensors are widened to float32 (exactly) on load and rounded to nearest even once,
+ *   when a result is stored.
+ *
+ * The vector code (AVX2 + FMA) and the portable fallback perform the same operations, element
+ * by element, so the results do not depend on which one was compiled.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define F32 0
+#define BF16 1
+#define F16 2
+#if defined(__FLT16_MAX__)
+typedef _Float16 half_t;
+#define SD_HALF 1
+#else
+#define SD_HALF 0
+#endif
+#define NR 16 /* columns per packed weight panel */
+
+/* ---- eight float lanes: AVX2 when compiled for it, otherwise a plain array ------------------ */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 v8;
+static inline v8 v_zero(void) { return _mm256_setzero_ps(); }
+static inline v8 v_set1(float a) { return _mm256_set1_ps(a); }
+static inline v8 v_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float* p, v8 a) { _mm256_storeu_ps(p, a); }
+static inline v8 v_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v8 v_load_bf16(const uint16_t* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#define SD_VECTOR "avx2"
+#else
+typedef struct { float l[8]; } v8;
+static inline v8 v_zero(void) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = 0.f; return r; }
+static inline v8 v_set1(float a) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a; return r; }
+static inline v8 v_load(const float* p) { v8 r; memcpy(r.l, p, 32); return r; }
+static inline void v_store(float* p, v8 a) { memcpy(p, a.l, 32); }
+static inline v8 v_fma(v8 a, v8 b, v8 c) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = fmaf(a.l[i], b.l[i], c.l[i]); return r; }
+static inline v8 v_load_bf16(const uint16_t* p) {
+    v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.l[i], &u, 4); } return r;
+}
+#define SD_VECTOR "portable"
+#endif
+
+const char* sd_vector(void) { return SD_VECTOR; }
+
+static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+int sd_has_half(void) { return SD_HALF; }
+static inline float load1(const void* p, long i, int dtype) {
+    if (dtype == BF16) return from_bf16(((const uint16_t*)p)[i]);
+#if SD_HALF
+    if (dtype == F16) return (float)((const half_t*)p)[i];
+#endif
+    return ((const float*)p)[i];
+}
+static inline void store1(void* p, long i, float v, int dtype) {
+    if (dtype == BF16) ((uint16_t*)p)[i] = to_bf16(v);
+#if SD_HALF
+    else if (dtype == F16) ((half_t*)p)[i] = (half_t)v;
+#endif
+    else ((float*)p)[i] = v;
+}
+/* The value a float becomes when the model stores it in its dtype. */
+static inline float stored(float v, int dtype) {
+    if (dtype == BF16) return from_bf16(to_bf16(v));
+#if SD_HALF
+    if (dtype == F16) return (float)(half_t)v;
+#endif
+    return v;
+}
+/* A row of n elements as float32 into dst (a copy for float32, a widening for bfloat16). */
+static void widen(const void* src, long n, int dtype, float* dst) {
+    if (dtype == F32) memcpy(dst, src, n * sizeof(float));
+    else for (long i = 0; i < n; i++) dst[i] = load1(src, i, dtype);
+}
+static size_t esize(int dtype) { return dtype == F32 ? 4 : 2; }
+
+/* Sum of squares of x[0..n) in the fixed lane order. */
+static float sum_squares(const float* x, long n) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long i = 0;
+    for (; i + 8 <= n; i += 8) for (int l = 0; l < 8; l++) lane[l] = fmaf(x[i + l], x[i + l], lane[l]);
+    for (; i < n; i++) lane[i % 8] = fmaf(x[i], x[i], lane[i % 8]);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+static inline float inverse_rms(const float* x, long n, float eps) {
+    return 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+}
+
+/* ---- matrix products ------------------------------------------------------------------------
+ * Weights are packed once at load time into panels of NR columns, [panels][K][NR], the last
+ * panel padded with zeros, in the model's dtype. A tile is R rows x P panels of accumulators.
+ */
+/* The weight loads of one k step: 2 P vectors of 8 columns. */
+#define LOAD_F32(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR)
+#define LOAD_F32_HI(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR + 8)
+#define LOAD_BF16(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
+#define LOAD_BF16_HI(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR + 8)
+static inline v8 load_f16(const void* w, long at) {
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = load1(w, at + i, F16);
+    return v_load(f);
+}
+#define LOAD_F16(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR)
+#define LOAD_F16_HI(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR + 8)
+
+#define TILE(R, P, NAME, LO, HI)                                                                 \
+static void tile_##NAME##_##R##_##P(const float* x, long K, const void* wp, long pstride,        \
+                                    float* acc_out) {                                            \
+    v8 acc[R][2 * P];                                                                            \
+    for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++) acc[r][c] = v_zero();          \
+    for (long k = 0; k < K; k++) {                                                               \
+        v8 wv[2 * P];                                                                            \
+        for (int p = 0; p < P; p++) { wv[2 * p] = LO(wp, p, k, pstride); wv[2 * p + 1] = HI(wp, p, k, pstride); } \
+        for (int r = 0; r < R; r++) {                                                            \
+            v8 xv = v_set1(x[r * K + k]);                                                        \
+            for (int c = 0; c < 2 * P; c++) acc[r][c] = v_fma(xv, wv[c], acc[r][c]);            \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++)                                  \
+        v_store(acc_out + (long)r * 6 * NR + c * 8, acc[r][c]);                                  \
+}
+#define TILES(NAME, LO, HI) \
+    TILE(6, 1, NAME, LO, HI) TILE(5, 1, NAME, LO, HI) TILE(4, 1, NAME, LO, HI) TILE(3, 2, NAME, LO, HI) \
+    TILE(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
+    TILE(1, 6, NAME, LO, HI) TILE(1, 5, NAME, LO, HI) TILE(1, 4, NAME, LO, HI) TILE(1, 3, NAME, LO, HI) \
+    TILE(1, 2, NAME, LO, HI) TILE(1, 1, NAME, LO, HI)                                                 \
+static tile_fn pick_##NAME(int R, int P) {                                                          \
+    switch (R) {                                                                                     \
+    case 6: return tile_##NAME##_6_1;                                                                \
+    case 5: return tile_##NAME##_5_1;                                                                \
+    case 4: return tile_##NAME##_4_1;                                                                \
+    case 3: return P >= 2 ? tile_##NAME##_3_2 : tile_##NAME##_3_1;                                   \
+    case 2: return P >= 3 ? tile_##NAME##_2_3 : P == 2 ? tile_##NAME##_2_2 : tile_##NAME##_2_1;      \
+    default: return P >= 6 ? tile_##NAME##_1_6 : P == 5 ? tile_##NAME##_1_5 : P == 4 ? tile_##NAME##_1_4 \
+                   : P == 3 ? tile_##NAME##_1_3 : P == 2 ? tile_##NAME##_1_2 : tile_##NAME##_1_1;       \
+    }                                                                                                \
+}
+typedef void (*tile_fn)(const float*, long, const void*, long, float*);
+TILES(f32, LOAD_F32, LOAD_F32_HI)
+TILES(bf16, LOAD_BF16, LOAD_BF16_HI)
+TILES(f16, LOAD_F16, LOAD_F16_HI)
+
+static tile_fn pick_tile(int R, int P, int dtype) {
+    return dtype == BF16 ? pick_bf16(R, P) : dtype == F16 ? pick_f16(R, P) : pick_f32(R, P);
+}
+
+static void linear_panels(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
+                          const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype,
+                          const float* xf, const float* scale, long p0, long p1) {
+    float acc[6 * 6 * NR];
+    long pstride = K * NR;
+    size_t wsize = esize(dtype);
+    (void)x; (void)ldx; (void)norm_eps;
+    for (long m = 0; m < M;) {
+        int R = M - m >= 6 ? 6 : (int)(M - m);
+        for (long p = p0; p < p1;) {
+            int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
+            if (P > p1 - p) P = (int)(p1 - p);
+            pick_tile(R, P, dtype)(xf + m * K, K, (const char*)wp + p * pstride * wsize, pstride, acc);
+            for (int r = 0; r < R; r++) {
+                long row = m + r;
+                for (int c = 0; c < P * NR; c++) {
+                    long col = p * NR + c;
+                    if (col >= N) break;
+                    float v = acc[r * 6 * NR + c];
+                    if (scale) v = v * scale[row];
+                    if (bias) v = v + load1(bias, col, dtype);
+                    if (residual) v = v + load1(residual, row * ldr + col, dtype);
+                    store1(y, row * ldy + col, v, dtype);
+                }
+            }
+            p += P;
+        }
+        m += R;
+    }
+}
+
+/* ---- a small thread pool: workers take column ranges, so each output keeps its one chain ---- */
+#include <pthread.h>
+#include <time.h>
+#include <stdatomic.h>
+#define MAX_THREADS 64
+typedef void (*job_fn)(void* arg, int part, int parts);
+static struct {
+    int workers;                 /* threads besides the caller */
+    pthread_t thread[MAX_THREADS];
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_long generation;      /* bumped per job */
+    atomic_int remaining;        /* workers still running the current job */
+    job_fn fn;
+    void* arg;
+    int parts;
+    int sleeping;
+} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static long created_generation;
+static long spin_ns = 100000; /* how long an idle worker spins before it sleeps */
+void sd_set_spin(long nanoseconds) { spin_ns = nanoseconds; }
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void* worker_main(void* index_ptr) {
+    int index = (int)(intptr_t)index_ptr;
+    long seen = created_generation;
+    for (;;) {
+        long spins = 0, start = now_ns();
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen) {
+            if ((++spins & 63) || now_ns() - start < spin_ns) { cpu_relax(); continue; }
+            pthread_mutex_lock(&pool.lock);
+            pool.sleeping++;
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pool.sleeping--;
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = atomic_load(&pool.generation);
+        if (index + 1 < pool.parts) pool.fn(pool.arg, index + 1, pool.parts);
+        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int active_threads = 1;
+
+/* Threads jobs use (the caller included); starts workers as needed (they never exit, idle ones sleep). */
+int sd_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    created_generation = atomic_load(&pool.generation);
+    while (pool.workers < threads - 1) {
+        if (pthread_create(&pool.thread[pool.workers], NULL, worker_main, (void*)(intptr_t)pool.workers) != 0) break;
+        pthread_detach(pool.thread[pool.workers]);
+        pool.workers++;
+    }
+    active_threads = threads < pool.workers + 1 ? threads : pool.workers + 1;
+    return active_threads;
+}
+
+static void run_parallel(job_fn fn, void* arg, int parts) {
+    if (parts > active_threads) parts = active_threads;
+    if (parts <= 1) { fn(arg, 0, 1); return; }
+    pool.fn = fn; pool.arg = arg; pool.parts = parts;
+    atomic_store(&pool.remaining, pool.workers);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(arg, 0, parts);
+    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) cpu_relax();
+}
+
+struct linear_job {
+    const void *x, *wp, *bias, *residual; void* y;
+    long M, K, ldx, N, ldr, ldy; float norm_eps; int dtype; const float *xf, *scale;
+};
+static void linear_part(void* arg, int part, int parts) {
+    struct linear_job* j = arg;
+    long panels = (j->N + NR - 1) / NR;
+    long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
+    if (p0 < p1)
+        linear_panels(j->x, j->M, j->K, j->ldx, j->wp, j->N, j->bias, j->residual, j->ldr, j->y, j->ldy,
+                      j->norm_eps, j->dtype, j->xf, j->scale, p0, p1);
+}
+
+/* Work below this many multiply-adds runs on the calling thread only. */
+static long parallel_threshold = 1L << 21;
+void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
+
+int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
+              const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+    float* xf = malloc(sizeof(float) * (size_t)(M * K + M + 1));
+    if (!xf) return 1;
+    float* scale = NULL;
+    for (long m = 0; m < M; m++) widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
+    if (norm_eps >= 0) {
+        scale = xf + M * K;
+        for (long m = 0; m < M; m++) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
+    }
+    struct linear_job job = {x, wp, bias, residual, y, M, K, ldx, N, ldr, ldy, norm_eps, dtype, xf, scale};
+    long panels = (N + NR - 1) / NR;
+    int parts = M * K * N >= parallel_threshold ? active_threads : 1;
+    if (parts > panels) parts = (int)panels;
+    run_parallel(linear_part, &job, parts);
+    free(xf);
+    return 0;
+}
+
+/* ---- RMSNorm with a weight, over rows of S elements (final norm, q/k norms) ----------------
+ * rows x groups vectors: vector (r, g) starts at r * ld_row + g * ld_group, in x and in y.
+ * y = (x * inv_rms) * weight. y may be x.
+ */
+void sd_rms_norm(const void* x, void* y, long rows, long groups, long S, long ld_row, long ld_group,
+                 const void* weight, float eps, int dtype) {
+    float* buf = malloc(sizeof(float) * (size_t)S);
+    if (!buf) return;
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < groups; g++) {
+            long at = r * ld_row + g * ld_group;
+            widen((const char*)x + at * esize(dtype), S, dtype, buf);
+            float inv = inverse_rms(buf, S, eps);
+            for (long i = 0; i < S; i++) {
+                float v = buf[i] * inv;
+                if (weight) v = v * load1(weight, i, dtype);
+                store1(y, at + i, v, dtype);
+            }
+        }
+    free(buf);
+}
+
+/* ---- RoPE in place, pair order: (x[2i], x[2i+1]) rotated by angle position * inv_freq[i] ------
+ * rows x heads vectors of D elements, vector (r, h) at r * ld_row + h * D; table [P, D/2, 2]
+ * float32 (cos, sin) by position; positions [rows] int64.
+ */
+void sd_rope(void* x, long rows, long heads, long D, long ld_row, const float* table, const int64_t* positions,
+             int dtype) {
+    long half = D / 2;
+    for (long r = 0; r < rows; r++) {
+        const float* rot = table + positions[r] * half * 2;
+        for (long h = 0; h < heads; h++) {
+            long at = r * ld_row + h * D;
+            for (long i = 0; i < half; i++) {
+                float a = load1(x, at + 2 * i, dtype), b = load1(x, at + 2 * i + 1, dtype);
+                float c = rot[2 * i], s = rot[2 * i + 1];
+                store1(x, at + 2 * i, a * c - b * s, dtype);
+                store1(x, at + 2 * i + 1, a * s + b * c, dtype);
+            }
+        }
+    }
+}
+
+/* ---- silu(gate) * up: gate_up [M, 2I] (gate first) -> out [M, I] ---------------------------- */
+void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
+    for (long m = 0; m < M; m++)
+        for (long i = 0; i < I; i++) {
+            float g = load1(gate_up, m * ld_in + i, dtype), u = load1(gate_up, m * ld_in + I + i, dtype);
+            float silu = stored(g / (1.0f + expf(-g)), dtype); /* as the model would store it */
+            store1(out, m * ld_out + i, silu * u, dtype);
+        }
+}
+
+/* ---- attention over the cache --------------------------------------------------------------
+ * q: [B, n, heads, D] rows of ld_q elements (token (b, i) at (b * n + i) * ld_q), head h uses
+ * key head h % kv. keys/values: element (b, kvh, t, d) at b * ld_b + kvh * ld_h + t * D + d.
+ * visible: [B, n, T] bytes (nonzero: the query sees column t), or NULL (every query sees every
+ * column). out: [B * n, heads * D], rows of ld_out elements. A query that sees nothing gets 0.
+ */
+struct attention_job {
+    const void *q, *keys, *values; const uint8_t* visible; void* out;
+    long ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out; float scale; int dtype;
+};
+
+static void attention_one(const struct attention_job* j, long b, long kvh, float* work) {
+    long g = j->heads / j->kv, rows = j->n * g, D = j->D, T = j->T;
+    float* qf = work;                  /* [rows, D] */
+    float* kt = qf + rows * D;         /* [D, 8]: eight keys transposed */
+    float* score = kt + D * 8;         /* [rows, T8] */
+    long T8 = (T + 7) / 8 * 8;
+    float* acc = score + rows * T8;    /* [rows, D] */
+    float* vrow = acc + rows * D;      /* [D] */
+    float* best = vrow + D;            /* [rows] */
+    float* total = best + rows;        /* [rows] */
+    size_t es = esize(j->dtype);
+    for (long i = 0; i < j->n; i++)
+        for (long jj = 0; jj < g; jj++) {
+            long h = jj * j->kv + kvh;
+            widen((const char*)j->q + ((b * j->n + i) * j->ld_q + h * D) * es, D, j->dtype, qf + (i * g + jj) * D);
+        }
+    const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
+    const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
+    const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
+    /* Scores: eight columns at a time, each an FMA chain over d = 0..D-1. */
+    for (long t0 = 0; t0 < T; t0 += 8) {
+        long cols = T - t0 < 8 ? T - t0 : 8;
+        for (long c = 0; c < 8; c++)
+            for (long d = 0; d < D; d++)
+                kt[d * 8 + c] = c < cols ? load1(kbase, (t0 + c) * D + d, j->dtype) : 0.f;
+        for (long r = 0; r < rows; r++) {
+            const float* qr = qf + r * D;
+            v8 s = v_zero();
+            for (long d = 0; d < D; d++) s = v_fma(v_set1(qr[d]), v_load(kt + d * 8), s);
+            v_store(score + r * T8 + t0, s);
+        }
+    }
+    for (long r = 0; r < rows; r++) {
+        const uint8_t* seen = vis ? vis + (r / g) * T : NULL;
+        float m = -INFINITY;
+        for (long t = 0; t < T; t++) {
+            float s = score[r * T8 + t] * j->scale;
+            score[r * T8 + t] = s;
+            if ((!seen || seen[t]) && s > m) m = s;
+        }
+        best[r] = m;
+        float sum = 0.f;
+        for (long t = 0; t < T; t++) {
+            float p = (!seen || seen[t]) ? expf(score[r * T8 + t] - m) : 0.f;
+            score[r * T8 + t] = p;
+            sum = sum + p;
+        }
+        total[r] = sum;
+    }
+    /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t = 0..T-1 in order. */
+    for (long i = 0; i < rows * D; i++) acc[i] = 0.f;
+    long D8 = D / 8 * 8;
+    for (long t = 0; t < T; t++) {
+        widen(vbase + t * D * es, D, j->dtype, vrow);
+        for (long r = 0; r < rows; r++) {
+            float p = score[r * T8 + t];
+            if (p == 0.f) continue; /* fma(0, v, acc) == acc: skipping is the same result */
+            float* a = acc + r * D;
+            v8 pv = v_set1(p);
+            long d = 0;
+            for (; d < D8; d += 8) v_store(a + d, v_fma(pv, v_load(vrow + d), v_load(a + d)));
+            for (; d < D; d++) a[d] = fmaf(p, vrow[d], a[d]);
+        }
+    }
+    for (long i = 0; i < j->n; i++)
+        for (long jj = 0; jj < g; jj++) {
+            long r = i * g + jj, h = jj * j->kv + kvh;
+            float sum = total[r];
+            for (long d = 0; d < D; d++)
+                store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, j->dtype);
+        }
+}
+
+static size_t attention_work(const struct attention_job* j) {
+    long g = j->heads / j->kv, rows = j->n * g, T8 = (j->T + 7) / 8 * 8;
+    return sizeof(float) * (size_t)(rows * j->D * 2 + j->D * 8 + rows * T8 + j->D + 2 * rows + 8);
+}
+
+static void attention_part(void* arg, int part, int parts) {
+    struct attention_job* j = arg;
+    long pairs = j->B * j->kv, p0 = pairs * part / parts, p1 = pairs * (part + 1) / parts;
+    if (p0 >= p1) return;
+    float* work = malloc(attention_work(j));
+    if (!work) return;
+    for (long p = p0; p < p1; p++) attention_one(j, p / j->kv, p % j->kv, work);
+    free(work);
+}
+
+int sd_attention(const void* q, long ld_q, const void* keys, const void* values, long ld_b, long ld_h,
+                 long B, long n, long heads, long kv, long D, long T, const uint8_t* visible, float scale,
+                 void* out, long ld_out, int dtype) {
+    struct attention_job job = {q, keys, values, visible, out, ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out,
+                                scale, dtype};
+    long pairs = B * kv;
+    int parts = n * heads * T * D * 2 >= parallel_threshold / 4 ? active_threads : 1;
+    if (parts > pairs) parts = (int)pairs;
+    run_parallel(attention_part, &job, parts);
+    return 0;
+}
+
+/* ---- one decoder layer of the Llama family, on a block of B x n new tokens ------------------
+ * x_in [B * n, H] -> x_out [B * n, H] (x_out may not be x_in); writes the block's keys and values
+ * into the cache at columns [past, past + n). Norm weights are folded into qkv and gate_up.
+ */
+struct sd_layer {
+    const void *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    long hidden, heads, kv, head_dim, inner;
+    float eps, head_eps, scale;
+    int dtype;
+};
+struct sd_block {
+    long batch, n, past;
+    const int64_t* positions;  /* [B * n] */
+    const uint8_t* visible;    /* [B, n, past + n] or NULL */
+    void *keys, *values;       /* this layer's [B, kv, capacity, D] */
+    long ld_b, ld_h;
+    const float* rope;         /* [P, D/2, 2] cos, sin */
+    void *qkv, *attn, *gate_up, *act;  /* work buffers, contiguous rows */
+};
+
+int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const void* x_in, void* x_out) {
+    long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
+    size_t es = esize(w->dtype);
+    int dtype = w->dtype;
+    if (sd_linear(x_in, M, H, H, w->qkv, width, w->qkv_bias, NULL, 0, b->qkv, width, w->eps, dtype)) return 1;
+    if (w->q_norm) {
+        sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype);
+        sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
+                    w->k_norm, w->head_eps, dtype);
+    }
+    sd_rope(b->qkv, M, w->heads + w->kv, D, width, b->rope, b->positions, dtype);
+    for (long r = 0; r < M; r++) {
+        long row = r / b->n, column = b->past + r % b->n;
+        const char* k = (const char*)b->qkv + (r * width + w->heads * D) * es;
+        const char* v = k + w->kv * D * es;
+        for (long h = 0; h < w->kv; h++) {
+            long at = (row * b->ld_b + h * b->ld_h + column * D) * es;
+            memcpy((char*)b->keys + at, k + h * D * es, D * es);
+            memcpy((char*)b->values + at, v + h * D * es, D * es);
+        }
+    }
+    sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
+                 b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype);
+    if (sd_linear(b->attn, M, w->heads * D, w->heads * D, w->o, H, w->o_bias, x_in, H, x_out, H, -1.0f, dtype)) return 1;
+    if (sd_linear(x_out, M, H, H, w->gate_up, 2 * w->inner, w->gate_up_bias, NULL, 0, b->gate_up, 2 * w->inner,
+                  w->eps, dtype)) return 1;
+    sd_silu_mul(b->gate_up, M, w->inner, 2 * w->inner, b->act, w->inner, dtype);
+    return sd_linear(b->act, M, w->inner, w->inner, w->down, H, w->down_bias, x_out, H, x_out, H, -1.0f, dtype);
+}

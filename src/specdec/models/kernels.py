@@ -1,0 +1,264 @@
+"""Shape-invariant kernels: the native forward pass computes every row bit for bit the same
+whatever the block around it.
+
+Why specdec has its own: library kernels (MKL, oneDNN, PyTorch's SDPA) choose their blocking and
+reduction order from the shape of each call. A verification step computes a row inside a block
+of k + 1 (or a tree, or beside other rows of a batch) where plain decoding computes it alone, so
+the same row gets slightly different numbers and near-ties flip: measured here, MKL's float32
+products give a row different bits when a call has 1-3, 5-7 or 9-11 rows than with 4, 8 or 12+,
+and in bfloat16 speculative output differed from plain decoding on 19 of 40 zoo generations.
+``kernels.c`` fixes one order of operations per output element that depends only on the model's
+sizes (its header says which); this module compiles it once per machine with the C compiler,
+loads it with ctypes and wraps each kernel for tensors.
+
+The library is built on first use into ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``), named
+by a hash of the source, the compiler command and the CPU, so an edit or another machine
+rebuilds it. Without a C compiler the native backend is unavailable (``available()`` says why)
+and "auto" falls back to transformers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+NATIVE_FLAGS = ["-march=native"]
+LIBS = ["-lpthread", "-lm"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PANEL = 16  # columns per packed weight panel (NR in kernels.c)
+
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec")
+    return Path(root)
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def cpu_fingerprint() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(lines))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler found (set CC) to build specdec's kernels")
+    source = SOURCE.read_bytes()
+    for extra in (NATIVE_FLAGS, []):
+        command = [cc, *FLAGS, *extra]
+        key = hashlib.sha256(source + " ".join(command).encode() + cpu_fingerprint().encode()).hexdigest()[:16]
+        target = cache_dir() / f"kernels-{key}.so"
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([*command, str(SOURCE), "-o", partial, *LIBS], capture_output=True, text=True)
+        if result.returncode == 0:
+            os.replace(partial, target)  # atomic: a concurrent build never sees half a library
+            return target
+        os.unlink(partial)
+        error = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+    raise KernelBuildError(f"building specdec's kernels with {cc} failed: {error}")
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call); KernelBuildError says why when they cannot be."""
+    global _library, _failure
+    if _library is not None:
+        return _library
+    if _failure is not None:
+        raise KernelBuildError(_failure)
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (KernelBuildError, OSError) as exc:
+        _failure = str(exc)
+        raise KernelBuildError(_failure) from None
+    p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    signatures = {
+        "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, ctypes.c_int],
+        "sd_rms_norm": [p, p, i, i, i, i, i, p, f, ctypes.c_int],
+        "sd_rope": [p, i, i, i, i, p, p, ctypes.c_int],
+        "sd_silu_mul": [p, i, i, i, p, i, ctypes.c_int],
+        "sd_attention": [p, i, p, p, i, i, i, i, i, i, i, i, p, f, p, i, ctypes.c_int],
+        "sd_decoder_layer": [p, p, p, p],
+        "sd_set_threads": [ctypes.c_int],
+        "sd_set_parallel_threshold": [i],
+        "sd_set_spin": [i],
+    }
+    for name, args in signatures.items():
+        getattr(lib, name).argtypes = args
+    lib.sd_vector.restype = ctypes.c_char_p
+    lib.sd_set_threads(torch.get_num_threads())
+    _library = lib
+    return lib
+
+
+def available() -> str | None:
+    """None when the kernels can run here, else why not."""
+    try:
+        library()
+    except KernelBuildError as exc:
+        return str(exc)
+    return None
+
+
+def supported_dtype(dtype: torch.dtype) -> bool:
+    if dtype == torch.float16:
+        return bool(library().sd_has_half())
+    return dtype in DTYPES
+
+
+def describe() -> str:
+    """Which vector code the library was compiled with ("avx2" or "portable")."""
+    return library().sd_vector().decode()
+
+
+def set_threads(threads: int) -> int:
+    """Threads the kernels use, the caller included (default: torch.get_num_threads())."""
+    return library().sd_set_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors in, tensors out. Every tensor is on the CPU with its last dimension contiguous.
+
+@dataclass
+class Matrix:
+    """A weight [K, N] (x @ w) packed once into panels of 16 columns: [ceil(N / 16), K, 16]."""
+
+    packed: torch.Tensor
+    rows: int  # K, the input size
+    cols: int  # N, the output size
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> "Matrix":
+        k, n = w.shape
+        panels = -(-n // PANEL)
+        padded = w.new_zeros(k, panels * PANEL)
+        padded[:, :n] = w
+        return cls(padded.view(k, panels, PANEL).permute(1, 0, 2).contiguous(), k, n)
+
+    def unpack(self) -> torch.Tensor:
+        """The [K, N] matrix back (tests, exports)."""
+        return self.packed.permute(1, 0, 2).reshape(self.rows, -1)[:, :self.cols]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a tensor viewed as [rows, last dim], rows evenly spaced."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError("kernels need the last dimension contiguous")
+    if t.dim() == 1:
+        return 1, t.shape[0]
+    try:
+        flat = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError("kernels need rows evenly spaced") from None
+    return flat.shape[0], flat.stride(0) if flat.shape[0] > 1 else t.shape[-1]
+
+
+def linear(x: torch.Tensor, w: Matrix, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
+    """x [..., K] @ w (+ bias) (+ residual) -> [..., N]; rows RMS-normalised first when norm_eps is given."""
+    rows, ldx = _rows(x)
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], w.cols)
+    _, ldy = _rows(out)
+    ldr = _rows(residual)[1] if residual is not None else 0
+    library().sd_linear(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.cols, _ptr(bias), _ptr(residual),
+                        ldr, out.data_ptr(), ldy, -1.0 if norm_eps is None else norm_eps, DTYPES[x.dtype])
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension (times ``weight`` when given); ``out`` may be ``x``."""
+    rows, ld = _rows(x)
+    out = torch.empty_like(x) if out is None else out
+    if _rows(out)[1] != ld:
+        raise ValueError("rms_norm's out must have the input's row stride")
+    library().sd_rms_norm(x.data_ptr(), out.data_ptr(), rows, 1, x.shape[-1], ld, 0, _ptr(weight), eps,
+                          DTYPES[x.dtype])
+    return out
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """RMSNorm of each head in place: x [rows, heads, D], a view with contiguous heads."""
+    rows, heads, dim = x.shape
+    library().sd_rms_norm(x.data_ptr(), x.data_ptr(), rows, heads, dim, x.stride(0), x.stride(1), weight.data_ptr(),
+                          eps, DTYPES[x.dtype])
+
+
+def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotate x [rows, heads, D] (pair order, contiguous heads) in place by positions [rows] (int64)."""
+    rows, heads, dim = x.shape
+    if x.stride(1) != dim:
+        raise ValueError("rope needs contiguous heads")
+    library().sd_rope(x.data_ptr(), rows, heads, dim, x.stride(0), table.data_ptr(), positions.data_ptr(),
+                      DTYPES[x.dtype])
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [M, 2I] (gate first) -> [M, I]."""
+    rows, ld = _rows(gate_up)
+    inner = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inner) if out is None else out
+    library().sd_silu_mul(gate_up.data_ptr(), rows, inner, ld, out.data_ptr(), _rows(out)[1], DTYPES[gate_up.dtype])
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+              out: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [B, n, heads, D] over keys/values [B, kv, T, D] (views of a cache).
+
+    Head h reads key head h % kv (query heads in (group member, key head) order). ``visible``
+    [B, n, T] bool says which columns each query sees (None: all). out [B, n, heads * D].
+    """
+    batch, n, heads, dim = q.shape
+    kv, columns = keys.shape[1], keys.shape[2]
+    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != dim or q.stride(2) != dim:
+        raise ValueError("attention needs [B, kv, T, D] caches with contiguous columns and contiguous heads")
+    if q.stride(0) != n * q.stride(1) or out.stride(0) != n * out.stride(1):
+        raise ValueError("attention needs evenly spaced query rows")
+    if visible is not None:
+        visible = visible.contiguous()
+    library().sd_attention(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                           keys.stride(1), batch, n, heads, kv, dim, columns, _ptr(visible), scale, out.data_ptr(),
+                           out.stride(1), DTYPES[q.dtype])
+    return out

@@ -1,0 +1,220 @@
+"""Bit-for-bit invariance of the native forward pass: a row's results never depend on its block.
+
+Plain decoding computes a row alone; verification computes it behind k drafts, under a tree mask
+or beside other rows of a ragged batch with holes and compaction. Every comparison here is
+``torch.equal`` (no tolerance), in float32 and bfloat16: the same logits, hidden states and cached
+keys and values, whatever the block. The reference is always the row fed one token at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.models import kernels
+from specdec.native import NativeBackend
+from specdec.tiny import save_tiny
+
+DTYPES = [torch.float32, torch.bfloat16]
+ODD = {"hidden_size": 72, "intermediate_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 18}
+
+
+def randomise(directory, changes=None, bias=False):
+    """Edit a tiny model's config, randomise its norms and optionally add biases."""
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes or {})
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    for name, tensor in weights.items():
+        if "norm" in name:
+            weights[name] = 1 + 0.3 * torch.randn(tensor.shape, generator=generator)
+    if bias:
+        for name in [n for n in weights if n.endswith("proj.weight")]:
+            weights[name.replace("weight", "bias")] = 0.1 * torch.randn(weights[name].shape[0], generator=generator)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exact_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("exact")
+    dirs = {}
+    for arch in ("llama", "qwen2", "qwen3", "mistral"):
+        dirs[arch] = randomise(save_tiny(root / arch, arch, tokenizer, init_std=0.15), bias=arch == "qwen2")
+    dirs["mistral-window"] = randomise(shutil.copytree(dirs["mistral"], root / "mistral-window"),
+                                       {"sliding_window": 5})
+    # Sizes that are no multiple of the vector width: every tail of every kernel runs.
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=2, max_position_embeddings=256,
+                         initializer_range=0.15, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, attention_bias=True, mlp_bias=True, **ODD)
+    LlamaForCausalLM(config).save_pretrained(root / "odd")
+    tokenizer.save_pretrained(root / "odd")
+    dirs["odd"] = randomise(root / "odd")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def backends(exact_dirs):
+    return {(name, dtype): NativeBackend.load(path, dtype=dtype) for name, path in exact_dirs.items()
+            for dtype in DTYPES}
+
+
+def ones(tokens):
+    return torch.ones_like(tokens, dtype=torch.bool)
+
+
+def one_at_a_time(backend, sequence, capacity=64):
+    """Logits [n, V], hidden states [n, L + 1, H] and the cache of a row fed one token at a time."""
+    cache = backend.new_cache(1, capacity)
+    layers = tuple(range(backend.num_layers + 1))
+    logits, hidden = [], []
+    for token in sequence:
+        out, states = cache.forward(torch.tensor([[token]]), torch.ones(1, 1, dtype=torch.bool), 1, layers)
+        logits.append(out[0, -1])
+        hidden.append(states[0, -1])
+    return torch.stack(logits), torch.stack(hidden), cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral-window", "odd"])
+def test_blocks_of_every_size_equal_the_row_fed_alone(name, dtype, backends):
+    backend = backends[name, dtype]
+    generator = torch.Generator().manual_seed(0)
+    sequence = torch.randint(0, backend.vocab_size, (30,), generator=generator).tolist()
+    logits, hidden, alone = one_at_a_time(backend, sequence)
+    layers = tuple(range(backend.num_layers + 1))
+    context = 9
+    for n in range(1, 18):
+        if context + n > len(sequence):
+            break
+        cache = backend.new_cache(1, 64)
+        cache.forward(torch.tensor([sequence[:context]]), torch.ones(1, context, dtype=torch.bool))  # a prefill block
+        block = torch.tensor([sequence[context:context + n]])
+        got, states = cache.forward(block, ones(block), 0, layers)
+        stop = context + n
+        assert torch.equal(got[0], logits[context:stop]), n
+        assert torch.equal(states[0], hidden[context:stop]), n
+        assert torch.equal(cache.kv[..., :stop, :], alone.kv[..., :stop, :]), n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "odd"])
+def test_tree_nodes_equal_their_path_fed_alone(name, dtype, backends):
+    backend = backends[name, dtype]
+    parents = [-1, -1, 0, 1, 0, 2, 3, 2, 5]  # siblings interleaved: a node's ancestors are scattered
+    n = len(parents)
+    ancestor = torch.eye(n, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            ancestor[node] |= ancestor[parent]
+    depth = ancestor.sum(1) - 1
+    context = [11, 12, 13, 14, 15, 16, 17]
+    nodes = torch.tensor([[40 + i for i in range(n)]])
+    cache = backend.new_cache(1, 64)
+    cache.forward(torch.tensor([context]), ones(torch.tensor([context])))
+    got, _ = cache.forward(nodes, ones(nodes), 0, block_mask=ancestor[None], positions=cache.lengths[:, None] + depth)
+    for node in range(n):
+        path = [int(nodes[0, i]) for i in range(n) if ancestor[node, i]]
+        expected, _, _ = one_at_a_time(backend, context + path)
+        assert torch.equal(got[0, node], expected[-1]), node
+    # Keep the path to node 8 (nodes 0, 2, 5, 8), drop the other branches, and go on from there.
+    path = [0, 2, 5, 8]
+    keep = torch.zeros(1, n, dtype=torch.bool)
+    keep[0, path] = True
+    cache.truncate(cache.lengths - n + len(path), keep=keep)
+    follow = torch.tensor([[60, 61, 62]])
+    got, _ = cache.forward(follow, ones(follow), 0)
+    expected, _, _ = one_at_a_time(backend, context + [40 + i for i in path] + [60, 61, 62])
+    assert torch.equal(got[0], expected[-3:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-window", "odd"])
+def test_ragged_batch_rows_equal_each_row_fed_alone(name, dtype, backends):
+    """Left padding, rows accepting different counts (holes), compaction and rows leaving."""
+    backend = backends[name, dtype]
+    vocab = backend.vocab_size
+    generator = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, vocab, (length,), generator=generator).tolist() for length in (9, 3, 6)]
+    alone = [backend.new_cache(1, 96) for _ in rows]
+
+    def feed_alone(b, tokens):
+        """Logits of a row's tokens fed one by one on its own cache (then rolled back)."""
+        out = []
+        for token in tokens:
+            logits, _ = alone[b].forward(torch.tensor([[token]]), torch.ones(1, 1, dtype=torch.bool))
+            out.append(logits[0, -1])
+        return torch.stack(out)
+
+    width = max(map(len, rows))
+    tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    cache = backend.new_cache(3, 96)
+    logits, _ = cache.forward(tokens, valid)
+    for b, row in enumerate(rows):
+        assert torch.equal(logits[b, -1], feed_alone(b, row)[-1]), b
+    live = [0, 1, 2]  # which original row each batch row is
+    for step in range(8):
+        block = torch.randint(0, vocab, (len(live), 5), generator=generator)
+        logits, _ = cache.forward(block, ones(block), logits_to_keep=5)
+        keep = torch.randint(1, 6, (len(live),), generator=generator)
+        for b, original in enumerate(live):
+            expected = feed_alone(original, block[b].tolist())
+            assert torch.equal(logits[b], expected), (step, b)
+            alone[original].truncate(alone[original].lengths - 5 + keep[b])
+            rows[original] += block[b, :keep[b]].tolist()
+        cache.truncate(cache.lengths - 5 + keep)
+        if step % 3 == 2:
+            cache.compact(slack=0.0, minimum=0)
+        if step == 4:
+            cache.select_rows(torch.tensor([0, 2]))
+            live = [0, 2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_threads_split_work_without_changing_a_bit(dtype, backends):
+    backend = backends["odd", dtype]
+    sequence = list(range(5, 40))
+    cache = backend.new_cache(2, 64)
+    single, _ = cache.forward(torch.tensor([sequence, sequence[::-1]]), torch.ones(2, 35, dtype=torch.bool), 0)
+    library = kernels.library()
+    try:
+        kernels.set_threads(2)
+        library.sd_set_parallel_threshold(1)  # every product and every attention call in parallel
+        cache = backend.new_cache(2, 64)
+        split, _ = cache.forward(torch.tensor([sequence, sequence[::-1]]), torch.ones(2, 35, dtype=torch.bool), 0)
+    finally:
+        library.sd_set_parallel_threshold(1 << 21)
+        kernels.set_threads(torch.get_num_threads())
+    assert torch.equal(single, split)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_kernels_match_their_definition(dtype):
+    """Each kernel against a float64 reference of what it computes, and row by row invariant."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(23, 37, generator=generator).to(dtype)
+    w = torch.randn(37, 45, generator=generator).to(dtype)
+    bias = torch.randn(45, generator=generator).to(dtype)
+    matrix = kernels.Matrix.pack(w)
+    assert torch.equal(matrix.unpack(), w)
+    y = kernels.linear(x, matrix, bias=bias, norm_eps=1e-5)
+    x64 = x.double()
+    ref = (x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) @ w.double() + bias.double()
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
+    assert torch.allclose(y.double(), ref, atol=tolerance * 10, rtol=tolerance)
+    for rows in range(1, 23):
+        assert torch.equal(kernels.linear(x[rows - 1:rows + rows - 1], matrix, bias=bias, norm_eps=1e-5),
+                           y[rows - 1:rows + rows - 1])
+    gate_up = torch.randn(5, 2 * 37, generator=generator).to(dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_mul(gate_up).double(), torch.nn.functional.silu(gate) * up,
+                          atol=tolerance * 10, rtol=tolerance)

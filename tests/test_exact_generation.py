@@ -1,0 +1,114 @@
+"""End to end, in bfloat16 as in float32: every drafter's output equals plain decoding of the same
+target token for token (native backend), and sampling keeps the target's own distribution.
+
+The reference is specdec's plain decoding (drafter none) of each prompt alone, on the same loaded
+target: in bfloat16 transformers' logits are not a reference at all, since its kernels round a
+row differently in every block shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec import TreeConfig
+from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.sampling import SamplingConfig, probabilities
+from specdec.zoo import zoo_path
+from specdec.zoo.tasks import load_tasks
+
+from test_sampling import P_VALUE, chi_square_p
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "import torch",
+    "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n",
+    "x = x + 1\nx = x + 1\nx = x + 1\n",
+    "for row in rows:\n    print(row)\n",
+]
+TREE = TreeConfig(depth=3, topk=2, num_nodes=6)
+
+
+def plain(target, prompts, max_new_tokens):
+    return [specdec.generate(target, [p], drafter=NoDraft(), max_new_tokens=max_new_tokens).token_ids[0]
+            for p in prompts]
+
+
+def check_against_plain(target, prompts, drafters, max_new_tokens, ks=(1, 4, 8), alone=(0, 2)):
+    reference = plain(target, prompts, max_new_tokens)
+    for drafter in drafters:
+        settings = [dict(num_draft_tokens=k) for k in ks]
+        if target.backend.supports_trees:
+            settings.append(dict(tree=TREE))
+        for setting in settings:
+            out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=max_new_tokens, **setting)
+            assert out.stats.exact_numerics
+            assert out.token_ids == reference, f"{drafter.name} {setting} batch of {len(prompts)}"
+            for i in alone:
+                one = specdec.generate(target, [prompts[i]], drafter=drafter, max_new_tokens=max_new_tokens, **setting)
+                assert one.token_ids == [reference[i]], f"{drafter.name} {setting} prompt {i} alone"
+    return reference
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_every_drafter_equals_plain_decoding_in_bfloat16(arch, model_dirs):
+    target = specdec.load_target(model_dirs[arch], dtype=torch.bfloat16, backend="native")
+    prompts = target.encode(PROMPTS)
+    target.eos_token_ids = ()
+    free = plain(target, prompts, 40)
+    stops = [t for row in free for t in row[3:] if any(t not in other for other in free)]
+    target.eos_token_ids = (stops[0],)  # a token that ends some rows early while others run to the limit
+    drafters = [PromptLookup(max_ngram=3),
+                DraftModel(model_dirs[f"{arch}-draft"], dtype=torch.bfloat16, backend="native"),
+                DraftModel(model_dirs[f"{arch}-draft"], backend="native"),  # a float32 draft for a bf16 target
+                DraftModel(target)]  # the target as its own draft: every draft accepted
+    reference = check_against_plain(target, prompts, drafters, 40)
+    assert any(r and r[-1] in target.eos_token_ids for r in reference) and any(len(r) == 40 for r in reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zoo_drafters_equal_plain_decoding(dtype):
+    """The trained zoo pair, where drafts are mostly right and near-ties are real."""
+    target = specdec.load_target(zoo_path("target"), dtype=dtype, backend="native")
+    prompts = target.encode(load_tasks("code-completion")[:6])
+    drafters = [PromptLookup(), DraftModel(zoo_path("draft"), dtype=dtype, backend="native")]
+    check_against_plain(target, prompts, drafters, 64, ks=(4,), alone=(1,))
+
+
+def native_two_token_distribution(target, prompt, config: SamplingConfig) -> torch.Tensor:
+    """P(t1, t2) under the warped target as the native backend computes it, as a flat [V*V] vector."""
+    def last_logits(rows):
+        cache = target.new_cache(len(rows), len(rows[0]) + 1)
+        logits, _ = target.forward(cache, torch.tensor(rows))
+        return logits[:, -1].float()
+
+    first = probabilities(last_logits([prompt])[0], config)
+    support = first.nonzero().squeeze(1)
+    second = probabilities(last_logits([prompt + [t] for t in support.tolist()]), config)
+    joint = torch.zeros(target.vocab_size, target.vocab_size)
+    joint[support] = first[support, None] * second
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("drafter_kind,temperature,top_k,top_p", [
+    ("draft", 1.0, 6, None),
+    ("self", 1.2, 5, 0.95),
+    ("lookup", 1.0, 4, None),
+    ("draft-tree", 1.0, 6, None),
+])
+def test_bfloat16_sampling_keeps_the_targets_distribution(drafter_kind, temperature, top_k, top_p, model_dirs):
+    target = specdec.load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
+    target.eos_token_ids = ()
+    prompt = target.encode(["x = x + 1\nx = x"])[0]
+    config = SamplingConfig(temperature, top_k, top_p)
+    exact = native_two_token_distribution(target, prompt, config)
+    drafter = {"draft": DraftModel(model_dirs["llama-draft"], dtype=torch.bfloat16, backend="native"),
+               "self": DraftModel(target), "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
+    tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
+    samples = []
+    for seed in range(3):
+        out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tree=tree)
+        samples += [a * target.vocab_size + b for a, b in out.token_ids]
+    assert chi_square_p(torch.tensor(samples), exact) > P_VALUE
