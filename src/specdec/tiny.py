@@ -78,7 +78,8 @@ def save_tiny(directory: str | Path, architecture: str = "llama", tokenizer: Pre
 
 
 def save_bench_pair(directory: str | Path, layers: int = 12, hidden: int = 512, vocab_size: int = 8192,
-                    max_positions: int = 2048) -> tuple[Path, Path]:
+                    max_positions: int = 2048, heads: int = 8, kv_heads: int = 4, intermediate: int | None = None,
+                    tie: bool = False) -> tuple[Path, Path]:
     """A ~70M-parameter random Llama and a 1-layer draft cut from it (its first layer, embedding,
     final norm and head), for timing the decode loop where a forward pass is not trivially cheap.
 
@@ -88,11 +89,14 @@ def save_bench_pair(directory: str | Path, layers: int = 12, hidden: int = 512, 
     directory = Path(directory)
     tokenizer = build_tokenizer(vocab_size)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+    # The vocabulary keeps its requested size even where the small training text yields fewer merges:
+    # the LM head's cost is part of the shape being measured.
+    config = LlamaConfig(vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden,
+                         intermediate_size=intermediate or 3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tie)
     target = LlamaForCausalLM(config).eval()
     draft = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})).eval()
     draft.load_state_dict({name: value for name, value in target.state_dict().items()
@@ -113,6 +117,14 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default 3 x hidden)")
+    parser.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
     args = parser.parse_args()
-    for path in save_bench_pair(args.out, layers=args.layers, hidden=args.hidden, vocab_size=args.vocab):
+    # e.g. the 135M shape of SmolLM: --layers 30 --hidden 576 --heads 9 --kv-heads 3 --intermediate 1536
+    #      --vocab 49152 --tie
+    for path in save_bench_pair(args.out, layers=args.layers, hidden=args.hidden, vocab_size=args.vocab,
+                                heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+                                tie=args.tie):
         print(path)

@@ -178,27 +178,32 @@ static void linear_panels(const void* x, long M, long K, long ldx, const void* w
     long pstride = K * NR;
     size_t wsize = esize(dtype);
     (void)x; (void)ldx; (void)norm_eps;
-    for (long m = 0; m < M;) {
-        int R = M - m >= 6 ? 6 : (int)(M - m);
-        for (long p = p0; p < p1;) {
-            int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
-            if (P > p1 - p) P = (int)(p1 - p);
-            pick_tile(R, P, dtype)(xf + m * K, K, (const char*)wp + p * pstride * wsize, pstride, acc);
-            for (int r = 0; r < R; r++) {
-                long row = m + r;
-                for (int c = 0; c < P * NR; c++) {
-                    long col = p * NR + c;
-                    if (col >= N) break;
-                    float v = acc[r * 6 * NR + c];
-                    if (scale) v = v * scale[row];
-                    if (bias) v = v + load1(bias, col, dtype);
-                    if (residual) v = v + load1(residual, row * ldr + col, dtype);
-                    store1(y, row * ldy + col, v, dtype);
+    /* Panels outer, rows inner: a group of panels stays in L1 while every row block uses it. */
+    for (long p = p0; p < p1;) {
+        int group = (int)(p1 - p < 6 ? p1 - p : 6);
+        for (long m = 0; m < M;) {
+            int R = M - m >= 6 ? 6 : (int)(M - m);
+            for (long q = p; q < p + group;) {
+                int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
+                if (P > p + group - q) P = (int)(p + group - q);
+                pick_tile(R, P, dtype)(xf + m * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                for (int r = 0; r < R; r++) {
+                    long row = m + r;
+                    for (int c = 0; c < P * NR; c++) {
+                        long col = q * NR + c;
+                        if (col >= N) break;
+                        float v = acc[r * 6 * NR + c];
+                        if (scale) v = v * scale[row];
+                        if (bias) v = v + load1(bias, col, dtype);
+                        if (residual) v = v + load1(residual, row * ldr + col, dtype);
+                        store1(y, row * ldy + col, v, dtype);
+                    }
                 }
+                q += P;
             }
-            p += P;
+            m += R;
         }
-        m += R;
+        p += group;
     }
 }
 
