@@ -192,7 +192,7 @@ def test_threads_split_work_without_changing_a_bit(dtype, backends):
         cache = backend.new_cache(2, 64)
         split, _ = cache.forward(torch.tensor([sequence, sequence[::-1]]), torch.ones(2, 35, dtype=torch.bool), 0)
     finally:
-        library.sd_set_parallel_threshold(1 << 21)
+        library.sd_set_parallel_threshold(1 << 22)
         kernels.set_threads(torch.get_num_threads())
     assert torch.equal(single, split)
 
@@ -218,3 +218,25 @@ def test_kernels_match_their_definition(dtype):
     gate, up = gate_up.double().chunk(2, dim=-1)
     assert torch.allclose(kernels.silu_mul(gate_up).double(), torch.nn.functional.silu(gate) * up,
                           atol=tolerance * 10, rtol=tolerance)
+
+
+def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch):
+    """kernels.c's AVX2 code and its plain-C fallback perform the same operations element by element."""
+    portable = kernels.load_library(kernels.build(native=False))
+    if portable.sd_vector() == kernels.library().sd_vector():
+        pytest.skip("the native build of this machine is the portable code as well")
+    generator = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        backend = backends["odd", dtype]
+        rows = torch.randint(0, backend.vocab_size, (2, 21), generator=generator)
+        valid = torch.ones_like(rows, dtype=torch.bool)
+        valid[1, :6] = False  # left padding
+        outputs = []
+        for library in (kernels.library(), portable):
+            monkeypatch.setattr(kernels, "_library", library)
+            cache = backend.new_cache(2, 64)
+            logits, hidden = cache.forward(rows, valid, 0, (1, backend.num_layers))
+            outputs.append((logits, hidden, cache.kv.clone()))
+        monkeypatch.undo()
+        for vector, plain in zip(*outputs):
+            assert torch.equal(vector, plain), dtype

@@ -460,7 +460,7 @@ def parse_tree(text: str) -> TreeConfig:
     return TreeConfig(depth, topk, nodes)
 
 
-COST_SIZES = (1, 2, 4, 8, 16, 32, 64)
+COST_SIZES = (1, 2, 4, 5, 8, 16, 17, 32, 64)  # 5 and 17: verifying k = 4 and k = 16 drafts
 
 
 def cost_curve(backend, context: int = 200) -> dict:

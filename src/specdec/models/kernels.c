@@ -171,13 +171,11 @@ static tile_fn pick_tile(int R, int P, int dtype) {
     return dtype == BF16 ? pick_bf16(R, P) : dtype == F16 ? pick_f16(R, P) : pick_f32(R, P);
 }
 
-static void linear_panels(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
-                          const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype,
-                          const float* xf, const float* scale, long p0, long p1) {
+static void linear_panels(long M, long K, const void* wp, long N, const void* bias, const void* residual, long ldr,
+                          void* y, long ldy, int dtype, const float* xf, const float* scale, long p0, long p1) {
     float acc[6 * 6 * NR];
     long pstride = K * NR;
     size_t wsize = esize(dtype);
-    (void)x; (void)ldx; (void)norm_eps;
     /* Panels outer, rows inner: a group of panels stays in L1 while every row block uses it. */
     for (long p = p0; p < p1;) {
         int group = (int)(p1 - p < 6 ? p1 - p : 6);
@@ -300,12 +298,13 @@ static void linear_part(void* arg, int part, int parts) {
     long panels = (j->N + NR - 1) / NR;
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     if (p0 < p1)
-        linear_panels(j->x, j->M, j->K, j->ldx, j->wp, j->N, j->bias, j->residual, j->ldr, j->y, j->ldy,
-                      j->norm_eps, j->dtype, j->xf, j->scale, p0, p1);
+        linear_panels(j->M, j->K, j->wp, j->N, j->bias, j->residual, j->ldr, j->y, j->ldy, j->dtype, j->xf, j->scale,
+                      p0, p1);
 }
 
-/* Work below this many multiply-adds runs on the calling thread only. */
-static long parallel_threshold = 1L << 21;
+/* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
+ * of microseconds, and torch's own threads compete for the same cores between kernel calls. */
+static long parallel_threshold = 1L << 22;
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
 
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
@@ -391,51 +390,51 @@ struct attention_job {
     long ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out; float scale; int dtype;
 };
 
+/* A query row dotted with a key: lane l = d % 8 is the FMA chain over d = l, l + 8, ... in order
+ * (the vector part, then the tail in the same lanes), lanes added as a fixed tree. */
+static inline float dot_key(const float* q, const void* key, long D, int dtype) {
+    long D8 = D / 8 * 8, d = 0;
+    v8 acc = v_zero();
+    if (dtype == F32) for (; d < D8; d += 8) acc = v_fma(v_load(q + d), v_load((const float*)key + d), acc);
+    else if (dtype == BF16) for (; d < D8; d += 8) acc = v_fma(v_load(q + d), v_load_bf16((const uint16_t*)key + d), acc);
+    else for (; d < D8; d += 8) acc = v_fma(v_load(q + d), load_f16(key, d), acc);
+    float lane[8];
+    v_store(lane, acc);
+    for (; d < D; d++) lane[d - D8] = fmaf(q[d], load1(key, d, dtype), lane[d - D8]);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
 static void attention_one(const struct attention_job* j, long b, long kvh, float* work) {
     long g = j->heads / j->kv, rows = j->n * g, D = j->D, T = j->T;
+    int dtype = j->dtype;
     float* qf = work;                  /* [rows, D] */
-    float* kt = qf + rows * D;         /* [D, 8]: eight keys transposed */
-    float* score = kt + D * 8;         /* [rows, T8] */
-    long T8 = (T + 7) / 8 * 8;
-    float* acc = score + rows * T8;    /* [rows, D] */
+    float* score = qf + rows * D;      /* [rows, T] */
+    float* acc = score + rows * T;     /* [rows, D] */
     float* vrow = acc + rows * D;      /* [D] */
-    float* best = vrow + D;            /* [rows] */
-    float* total = best + rows;        /* [rows] */
-    size_t es = esize(j->dtype);
+    float* total = vrow + D;           /* [rows] */
+    size_t es = esize(dtype);
     for (long i = 0; i < j->n; i++)
         for (long jj = 0; jj < g; jj++) {
             long h = jj * j->kv + kvh;
-            widen((const char*)j->q + ((b * j->n + i) * j->ld_q + h * D) * es, D, j->dtype, qf + (i * g + jj) * D);
+            widen((const char*)j->q + ((b * j->n + i) * j->ld_q + h * D) * es, D, dtype, qf + (i * g + jj) * D);
         }
     const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
-    /* Scores: eight columns at a time, each an FMA chain over d = 0..D-1. */
-    for (long t0 = 0; t0 < T; t0 += 8) {
-        long cols = T - t0 < 8 ? T - t0 : 8;
-        for (long c = 0; c < 8; c++)
-            for (long d = 0; d < D; d++)
-                kt[d * 8 + c] = c < cols ? load1(kbase, (t0 + c) * D + d, j->dtype) : 0.f;
-        for (long r = 0; r < rows; r++) {
-            const float* qr = qf + r * D;
-            v8 s = v_zero();
-            for (long d = 0; d < D; d++) s = v_fma(v_set1(qr[d]), v_load(kt + d * 8), s);
-            v_store(score + r * T8 + t0, s);
-        }
+    /* Scores of the columns each row sees; the softmax over them in column order. */
+    for (long t = 0; t < T; t++) {
+        const void* key = kbase + t * D * es;
+        for (long r = 0; r < rows; r++)
+            if (!vis || vis[(r / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, dtype) * j->scale;
     }
     for (long r = 0; r < rows; r++) {
         const uint8_t* seen = vis ? vis + (r / g) * T : NULL;
-        float m = -INFINITY;
+        float* s = score + r * T;
+        float m = -INFINITY, sum = 0.f;
+        for (long t = 0; t < T; t++) if ((!seen || seen[t]) && s[t] > m) m = s[t];
         for (long t = 0; t < T; t++) {
-            float s = score[r * T8 + t] * j->scale;
-            score[r * T8 + t] = s;
-            if ((!seen || seen[t]) && s > m) m = s;
-        }
-        best[r] = m;
-        float sum = 0.f;
-        for (long t = 0; t < T; t++) {
-            float p = (!seen || seen[t]) ? expf(score[r * T8 + t] - m) : 0.f;
-            score[r * T8 + t] = p;
+            float p = (!seen || seen[t]) ? expf(s[t] - m) : 0.f;
+            s[t] = p;
             sum = sum + p;
         }
         total[r] = sum;
@@ -444,15 +443,16 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     for (long i = 0; i < rows * D; i++) acc[i] = 0.f;
     long D8 = D / 8 * 8;
     for (long t = 0; t < T; t++) {
-        widen(vbase + t * D * es, D, j->dtype, vrow);
+        const float* v = (const float*)(vbase + t * D * es);
+        if (dtype != F32) { widen(vbase + t * D * es, D, dtype, vrow); v = vrow; }
         for (long r = 0; r < rows; r++) {
-            float p = score[r * T8 + t];
+            float p = score[r * T + t];
             if (p == 0.f) continue; /* fma(0, v, acc) == acc: skipping is the same result */
             float* a = acc + r * D;
             v8 pv = v_set1(p);
             long d = 0;
-            for (; d < D8; d += 8) v_store(a + d, v_fma(pv, v_load(vrow + d), v_load(a + d)));
-            for (; d < D; d++) a[d] = fmaf(p, vrow[d], a[d]);
+            for (; d < D8; d += 8) v_store(a + d, v_fma(pv, v_load(v + d), v_load(a + d)));
+            for (; d < D; d++) a[d] = fmaf(p, v[d], a[d]);
         }
     }
     for (long i = 0; i < j->n; i++)
@@ -460,13 +460,13 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
             long r = i * g + jj, h = jj * j->kv + kvh;
             float sum = total[r];
             for (long d = 0; d < D; d++)
-                store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, j->dtype);
+                store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, dtype);
         }
 }
 
 static size_t attention_work(const struct attention_job* j) {
-    long g = j->heads / j->kv, rows = j->n * g, T8 = (j->T + 7) / 8 * 8;
-    return sizeof(float) * (size_t)(rows * j->D * 2 + j->D * 8 + rows * T8 + j->D + 2 * rows + 8);
+    long rows = j->n * (j->heads / j->kv);
+    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + 8);
 }
 
 static void attention_part(void* arg, int part, int parts) {
@@ -485,7 +485,7 @@ int sd_attention(const void* q, long ld_q, const void* keys, const void* values,
     struct attention_job job = {q, keys, values, visible, out, ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out,
                                 scale, dtype};
     long pairs = B * kv;
-    int parts = n * heads * T * D * 2 >= parallel_threshold / 4 ? active_threads : 1;
+    int parts = n * heads * T * D * 2 >= parallel_threshold / 2 ? active_threads : 1;
     if (parts > pairs) parts = (int)pairs;
     run_parallel(attention_part, &job, parts);
     return 0;

@@ -69,12 +69,17 @@ def cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build() -> Path:
+def build(native: bool = True) -> Path:
+    """Compile kernels.c (once per source, compiler command and CPU) and return the library's path.
+
+    native=False compiles for the architecture's baseline (on x86-64: no AVX2, the portable code).
+    """
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (set CC) to build specdec's kernels")
     source = SOURCE.read_bytes()
-    for extra in (NATIVE_FLAGS, []):
+    error = "unknown error"
+    for extra in ((NATIVE_FLAGS, []) if native else ([],)):
         command = [cc, *FLAGS, *extra]
         key = hashlib.sha256(source + " ".join(command).encode() + cpu_fingerprint().encode()).hexdigest()[:16]
         target = cache_dir() / f"kernels-{key}.so"
@@ -85,11 +90,34 @@ def _build() -> Path:
         os.close(fd)
         result = subprocess.run([*command, str(SOURCE), "-o", partial, *LIBS], capture_output=True, text=True)
         if result.returncode == 0:
+            os.chmod(partial, 0o755)
             os.replace(partial, target)  # atomic: a concurrent build never sees half a library
             return target
         os.unlink(partial)
-        error = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        error = (result.stderr.strip().splitlines() or [error])[-1]
     raise KernelBuildError(f"building specdec's kernels with {cc} failed: {error}")
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """A compiled kernels library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    p, i, f, n = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, n],
+        "sd_rms_norm": [p, p, i, i, i, i, i, p, f, n],
+        "sd_rope": [p, i, i, i, i, p, p, n],
+        "sd_silu_mul": [p, i, i, i, p, i, n],
+        "sd_attention": [p, i, p, p, i, i, i, i, i, i, i, i, p, f, p, i, n],
+        "sd_decoder_layer": [p, p, p, p],
+        "sd_set_threads": [n],
+        "sd_set_parallel_threshold": [i],
+        "sd_set_spin": [i],
+    }
+    for name, args in signatures.items():
+        getattr(lib, name).argtypes = args
+    lib.sd_vector.restype = ctypes.c_char_p
+    lib.sd_set_threads(torch.get_num_threads())
+    return lib
 
 
 def library() -> ctypes.CDLL:
@@ -100,28 +128,11 @@ def library() -> ctypes.CDLL:
     if _failure is not None:
         raise KernelBuildError(_failure)
     try:
-        lib = ctypes.CDLL(str(_build()))
+        _library = load_library(build())
     except (KernelBuildError, OSError) as exc:
         _failure = str(exc)
         raise KernelBuildError(_failure) from None
-    p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    signatures = {
-        "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, ctypes.c_int],
-        "sd_rms_norm": [p, p, i, i, i, i, i, p, f, ctypes.c_int],
-        "sd_rope": [p, i, i, i, i, p, p, ctypes.c_int],
-        "sd_silu_mul": [p, i, i, i, p, i, ctypes.c_int],
-        "sd_attention": [p, i, p, p, i, i, i, i, i, i, i, i, p, f, p, i, ctypes.c_int],
-        "sd_decoder_layer": [p, p, p, p],
-        "sd_set_threads": [ctypes.c_int],
-        "sd_set_parallel_threshold": [i],
-        "sd_set_spin": [i],
-    }
-    for name, args in signatures.items():
-        getattr(lib, name).argtypes = args
-    lib.sd_vector.restype = ctypes.c_char_p
-    lib.sd_set_threads(torch.get_num_threads())
-    _library = lib
-    return lib
+    return _library
 
 
 def available() -> str | None:

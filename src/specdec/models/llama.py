@@ -86,6 +86,7 @@ class Layer:
     down_bias: torch.Tensor | None     # [H]
     window: Window = FULL              # which earlier tokens the layer attends to
     params: LayerParams = field(default=None, repr=False)  # the same, for the kernels
+    ref: object = field(default=None, repr=False)          # ctypes.byref(params)
 
 
 @dataclass
@@ -173,9 +174,11 @@ def scratch(model: Llama, batch: int, n: int) -> Scratch:
 def block_params(model: Llama, kv: torch.Tensor, past: int, positions: torch.Tensor, work: Scratch) -> BlockParams:
     """What every layer of a block shares; ``positions`` [B * n] int64 must stay alive with it."""
     batch, n = work.shape
-    return BlockParams(batch, n, past, positions.data_ptr(), None, None, None, kv.stride(2), kv.stride(3),
-                       model.rope_table.data_ptr(), work.qkv.data_ptr(), work.attn.data_ptr(),
-                       work.gate_up.data_ptr(), work.act.data_ptr())
+    params = BlockParams(batch, n, past, positions.data_ptr(), None, None, None, kv.stride(2), kv.stride(3),
+                         model.rope_table.data_ptr(), work.qkv.data_ptr(), work.attn.data_ptr(),
+                         work.gate_up.data_ptr(), work.act.data_ptr())
+    params.ref = ctypes.byref(params)
+    return params
 
 
 def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams, kv: torch.Tensor,
@@ -186,12 +189,17 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
     each new token sees), or None when every token sees every column.
     """
     out = torch.empty_like(x)
-    block.keys, block.values = kv[index, 0].data_ptr(), kv[index, 1].data_ptr()
+    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
+    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
     block.visible = None if visible is None else visible.data_ptr()
-    if kernels.library().sd_decoder_layer(ctypes.byref(model.layers[index].params), ctypes.byref(block),
-                                          x.data_ptr(), out.data_ptr()):
+    if _run_layer(model.layers[index].ref, block.ref, x.data_ptr(), out.data_ptr()):
         raise MemoryError("the native forward pass could not allocate its work memory")
     return out
+
+
+def _run_layer(*args) -> int:
+    """sd_decoder_layer of the loaded kernels (looked up once; tests may swap the library)."""
+    return kernels.library().sd_decoder_layer(*args)
 
 
 def layer_params(layer: Layer, model: Llama) -> LayerParams:
@@ -400,6 +408,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                   eps=float(config.rms_norm_eps))
     for layer in layers:
         layer.params = layer_params(layer, model)
+        layer.ref = ctypes.byref(layer.params)
     return model
 
 
