@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from specdec.models import kernels
 from specdec.native import NativeBackend
 from specdec.tiny import save_tiny
+from specdec.verify import ancestor_mask
 
 DTYPES = [torch.float32, torch.bfloat16]
 ODD = {"hidden_size": 72, "intermediate_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -111,10 +112,7 @@ def test_tree_nodes_equal_their_path_fed_alone(name, dtype, backends):
     backend = backends[name, dtype]
     parents = [-1, -1, 0, 1, 0, 2, 3, 2, 5]  # siblings interleaved: a node's ancestors are scattered
     n = len(parents)
-    ancestor = torch.eye(n, dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            ancestor[node] |= ancestor[parent]
+    ancestor = ancestor_mask(torch.tensor([parents]), torch.tensor([n]))[0]  # [n, n]
     depth = ancestor.sum(1) - 1
     context = [11, 12, 13, 14, 15, 16, 17]
     nodes = torch.tensor([[40 + i for i in range(n)]])

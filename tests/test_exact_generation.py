@@ -18,15 +18,9 @@ from specdec.sampling import SamplingConfig, probabilities
 from specdec.zoo import zoo_path
 from specdec.zoo.tasks import load_tasks
 
+from test_greedy_parity import PROMPTS
 from test_sampling import P_VALUE, chi_square_p
 
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-    "import torch",
-    "class Cache:\n    def __init__(self, size):\n        self.size = size\n        self.items = {}\n",
-    "x = x + 1\nx = x + 1\nx = x + 1\n",
-    "for row in rows:\n    print(row)\n",
-]
 TREE = TreeConfig(depth=3, topk=2, num_nodes=6)
 
 

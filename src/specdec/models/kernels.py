@@ -52,6 +52,19 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def writable(directory: Path) -> Path:
+    """``directory`` (created), or a per-user temporary one where it cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"specdec-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -82,10 +95,9 @@ def build(native: bool = True) -> Path:
     for extra in ((NATIVE_FLAGS, []) if native else ([],)):
         command = [cc, *FLAGS, *extra]
         key = hashlib.sha256(source + " ".join(command).encode() + cpu_fingerprint().encode()).hexdigest()[:16]
-        target = cache_dir() / f"kernels-{key}.so"
+        target = writable(cache_dir()) / f"kernels-{key}.so"
         if target.is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         result = subprocess.run([*command, str(SOURCE), "-o", partial, *LIBS], capture_output=True, text=True)
