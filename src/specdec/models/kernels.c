@@ -404,6 +404,39 @@ static inline float dot_key(const float* q, const void* key, long D, int dtype) 
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
+/* Eight lane-blocked dot products finished at once: out[c] is acc[c]'s lanes added in dot_key's
+ * tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline v8 tree_sums(const v8* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    __m256 g2 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(g1, g2, 0x20), _mm256_permute2f128_ps(g1, g2, 0x31));
+#else
+    float out[8], lane[8];
+    for (int c = 0; c < 8; c++) {
+        v_store(lane, acc[c]);
+        out[c] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+    return v_load(out);
+#endif
+}
+
+static inline v8 load_key(const void* key, long d, int dtype) {
+    return dtype == F32 ? v_load((const float*)key + d) : dtype == BF16 ? v_load_bf16((const uint16_t*)key + d)
+                                                                        : load_f16(key, d);
+}
+
+/* Scores of one query row against eight consecutive keys, the same numbers dot_key gives (D % 8 == 0). */
+static inline v8 dot_8_keys(const float* q, const char* keys, long D, size_t row_bytes, int dtype) {
+    v8 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = v_zero();
+    for (long d = 0; d < D; d += 8) {
+        v8 qv = v_load(q + d);
+        for (int c = 0; c < 8; c++) acc[c] = v_fma(qv, load_key(keys + c * row_bytes, d, dtype), acc[c]);
+    }
+    return tree_sums(acc);
+}
+
 static void attention_one(const struct attention_job* j, long b, long kvh, float* work) {
     long g = j->heads / j->kv, rows = j->n * g, D = j->D, T = j->T;
     int dtype = j->dtype;
@@ -422,7 +455,14 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
     /* Scores of the columns each row sees; the softmax over them in column order. */
-    for (long t = 0; t < T; t++) {
+    long t8 = D % 8 == 0 ? T / 8 * 8 : 0;  /* keys scored eight at a time */
+    for (long t = 0; t < t8; t += 8)
+        for (long r = 0; r < rows; r++) {
+            float s8[8];
+            v_store(s8, dot_8_keys(qf + r * D, kbase + t * D * es, D, D * es, dtype));
+            for (int c = 0; c < 8; c++) score[r * T + t + c] = s8[c] * j->scale;
+        }
+    for (long t = t8; t < T; t++) {
         const void* key = kbase + t * D * es;
         for (long r = 0; r < rows; r++)
             if (!vis || vis[(r / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, dtype) * j->scale;
@@ -439,16 +479,42 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
         }
         total[r] = sum;
     }
-    /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t = 0..T-1 in order. */
-    for (long i = 0; i < rows * D; i++) acc[i] = 0.f;
+    /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t = 0..T-1 in order. A column the row
+     * does not see has p = 0, and fma(0, v, acc) == acc, so every column can run through. */
+    size_t vbytes = D * es;
+    long r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float* p = score + r * T;
+        long d = 0;
+        for (; d + 16 <= D; d += 16) {
+            v8 a[4][2];
+            for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v_zero();
+            for (long t = 0; t < T; t++) {
+                const char* v = vbase + t * vbytes;
+                v8 v0 = load_key(v, d, dtype), v1 = load_key(v, d + 8, dtype);
+                for (int i = 0; i < 4; i++) {
+                    v8 pv = v_set1(p[i * T + t]);
+                    a[i][0] = v_fma(pv, v0, a[i][0]);
+                    a[i][1] = v_fma(pv, v1, a[i][1]);
+                }
+            }
+            for (int i = 0; i < 4; i++) { v_store(acc + (r + i) * D + d, a[i][0]); v_store(acc + (r + i) * D + d + 8, a[i][1]); }
+        }
+        for (; d < D; d++)
+            for (int i = 0; i < 4; i++) {
+                float a = 0.f;
+                for (long t = 0; t < T; t++) a = fmaf(p[i * T + t], load1(vbase + t * vbytes, d, dtype), a);
+                acc[(r + i) * D + d] = a;
+            }
+    }
     long D8 = D / 8 * 8;
-    for (long t = 0; t < T; t++) {
-        const float* v = (const float*)(vbase + t * D * es);
-        if (dtype != F32) { widen(vbase + t * D * es, D, dtype, vrow); v = vrow; }
-        for (long r = 0; r < rows; r++) {
+    for (; r < rows; r++) {
+        float* a = acc + r * D;
+        for (long i = 0; i < D; i++) a[i] = 0.f;
+        for (long t = 0; t < T; t++) {
             float p = score[r * T + t];
-            if (p == 0.f) continue; /* fma(0, v, acc) == acc: skipping is the same result */
-            float* a = acc + r * D;
+            const float* v = (const float*)(vbase + t * vbytes);
+            if (dtype != F32) { widen(vbase + t * vbytes, D, dtype, vrow); v = vrow; }
             v8 pv = v_set1(p);
             long d = 0;
             for (; d < D8; d += 8) v_store(a + d, v_fma(pv, v_load(v + d), v_load(a + d)));
