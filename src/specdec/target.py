@@ -126,8 +126,16 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     runner, model = load_backend(path, dtype, device, backend)
-    return Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path), backend=runner,
-                  generation_config=hf.load_generation_config(path) if model is None else None, path=str(path))
+    target = Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path), backend=runner,
+                    generation_config=hf.load_generation_config(path) if model is None else None, path=str(path))
+    if model is None and target.generation_config is not None:
+        # The weightless transformers model that reads the generation config costs about a second of
+        # imports: pay it while loading, not inside the first generation's timings.
+        try:
+            target.generation_model()
+        except Exception:
+            pass  # GenerationProcessors.for_target says what is not applied, when generating
+    return target
 
 
 def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: str = "auto"):
