@@ -238,3 +238,41 @@ def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch)
         monkeypatch.undo()
         for vector, plain in zip(*outputs):
             assert torch.equal(vector, plain), dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_attention_rope_and_head_norm_kernels_match_their_definition(dtype):
+    generator = torch.Generator().manual_seed(6)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    batch, n, heads, kv, dim, columns = 2, 3, 4, 2, 16, 7
+    q = torch.randn(batch, n, heads, dim, generator=generator).to(dtype)
+    cache = torch.randn(2, batch, kv, columns + 3, dim, generator=generator).to(dtype)  # capacity > columns
+    keys, values = cache[0, :, :, :columns], cache[1, :, :, :columns]
+    visible = torch.rand(batch, n, columns, generator=generator) < 0.6
+    visible[0, 0] = False  # a query that sees nothing gets zeros
+    visible[1, 2] = True
+    out = torch.empty(batch, n, heads * dim, dtype=dtype)
+    kernels.attention(q, keys, values, visible, out, dim ** -0.5)
+    expected = torch.zeros(batch, n, heads, dim, dtype=torch.float64)
+    for h in range(heads):
+        scores = torch.einsum("bnd,btd->bnt", q[:, :, h].double(), keys[:, h % kv].double()) * dim ** -0.5
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+        expected[:, :, h] = torch.einsum("bnt,btd->bnd", weights, values[:, h % kv].double())
+    assert torch.allclose(out.double(), expected.flatten(2), atol=tolerance * 5, rtol=tolerance)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+    x = torch.randn(5, 3, 8, generator=generator).to(dtype)
+    positions = torch.tensor([0, 3, 9, 2, 40])
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+    table = torch.stack([angles.cos(), angles.sin()], -1).contiguous()
+    expected = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (-1, 2))) *
+                                  torch.polar(torch.ones(5, 1, 4, dtype=torch.float64), angles[positions, None].double()))
+    kernels.rope(x, table, positions)
+    assert torch.allclose(x.double(), expected.flatten(-2), atol=tolerance * 10, rtol=tolerance * 10)
+
+    y = torch.randn(4, 3, 8, generator=generator).to(dtype)
+    weight = (1 + torch.randn(8, generator=generator)).to(dtype)
+    y64 = y.double()
+    expected = y64 / y64.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * weight.double()
+    kernels.head_norm(y, weight, 1e-6)
+    assert torch.allclose(y.double(), expected, atol=tolerance * 10, rtol=tolerance * 10)

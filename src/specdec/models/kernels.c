@@ -330,10 +330,10 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
  * rows x groups vectors: vector (r, g) starts at r * ld_row + g * ld_group, in x and in y.
  * y = (x * inv_rms) * weight. y may be x.
  */
-void sd_rms_norm(const void* x, void* y, long rows, long groups, long S, long ld_row, long ld_group,
-                 const void* weight, float eps, int dtype) {
+int sd_rms_norm(const void* x, void* y, long rows, long groups, long S, long ld_row, long ld_group,
+                const void* weight, float eps, int dtype) {
     float* buf = malloc(sizeof(float) * (size_t)S);
-    if (!buf) return;
+    if (!buf) return 1;
     for (long r = 0; r < rows; r++)
         for (long g = 0; g < groups; g++) {
             long at = r * ld_row + g * ld_group;
@@ -346,6 +346,7 @@ void sd_rms_norm(const void* x, void* y, long rows, long groups, long S, long ld
             }
         }
     free(buf);
+    return 0;
 }
 
 /* ---- RoPE in place, pair order: (x[2i], x[2i+1]) rotated by angle position * inv_freq[i] ------
@@ -388,6 +389,7 @@ void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, lon
 struct attention_job {
     const void *q, *keys, *values; const uint8_t* visible; void* out;
     long ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out; float scale; int dtype;
+    atomic_int failed;  /* a part could not allocate its work memory */
 };
 
 /* A query row dotted with a key: lane l = d % 8 is the FMA chain over d = l, l + 8, ... in order
@@ -540,7 +542,7 @@ static void attention_part(void* arg, int part, int parts) {
     long pairs = j->B * j->kv, p0 = pairs * part / parts, p1 = pairs * (part + 1) / parts;
     if (p0 >= p1) return;
     float* work = malloc(attention_work(j));
-    if (!work) return;
+    if (!work) { atomic_store(&j->failed, 1); return; }
     for (long p = p0; p < p1; p++) attention_one(j, p / j->kv, p % j->kv, work);
     free(work);
 }
@@ -549,12 +551,12 @@ int sd_attention(const void* q, long ld_q, const void* keys, const void* values,
                  long B, long n, long heads, long kv, long D, long T, const uint8_t* visible, float scale,
                  void* out, long ld_out, int dtype) {
     struct attention_job job = {q, keys, values, visible, out, ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out,
-                                scale, dtype};
+                                scale, dtype, 0};
     long pairs = B * kv;
     int parts = n * heads * T * D * 2 >= parallel_threshold / 2 ? active_threads : 1;
     if (parts > pairs) parts = (int)pairs;
     run_parallel(attention_part, &job, parts);
-    return 0;
+    return atomic_load(&job.failed);
 }
 
 /* ---- one decoder layer of the Llama family, on a block of B x n new tokens ------------------
@@ -583,9 +585,9 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
     int dtype = w->dtype;
     if (sd_linear(x_in, M, H, H, w->qkv, width, w->qkv_bias, NULL, 0, b->qkv, width, w->eps, dtype)) return 1;
     if (w->q_norm) {
-        sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype);
-        sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
-                    w->k_norm, w->head_eps, dtype);
+        if (sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype)) return 1;
+        if (sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
+                        w->k_norm, w->head_eps, dtype)) return 1;
     }
     sd_rope(b->qkv, M, w->heads + w->kv, D, width, b->rope, b->positions, dtype);
     for (long r = 0; r < M; r++) {
@@ -598,8 +600,8 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
             memcpy((char*)b->values + at, v + h * D * es, D * es);
         }
     }
-    sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
-                 b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype);
+    if (sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
+                     b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype)) return 1;
     if (sd_linear(b->attn, M, w->heads * D, w->heads * D, w->o, H, w->o_bias, x_in, H, x_out, H, -1.0f, dtype)) return 1;
     if (sd_linear(x_out, M, H, H, w->gate_up, 2 * w->inner, w->gate_up_bias, NULL, 0, b->gate_up, 2 * w->inner,
                   w->eps, dtype)) return 1;

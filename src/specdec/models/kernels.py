@@ -200,6 +200,11 @@ class Matrix:
         return self.packed.dtype
 
 
+def _check(status: int) -> None:
+    if status:
+        raise MemoryError("specdec's kernels could not allocate their work memory")
+
+
 def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
@@ -225,8 +230,9 @@ def linear(x: torch.Tensor, w: Matrix, out: torch.Tensor | None = None, bias: to
         out = x.new_empty(*x.shape[:-1], w.cols)
     _, ldy = _rows(out)
     ldr = _rows(residual)[1] if residual is not None else 0
-    library().sd_linear(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.cols, _ptr(bias), _ptr(residual),
-                        ldr, out.data_ptr(), ldy, -1.0 if norm_eps is None else norm_eps, DTYPES[x.dtype])
+    _check(library().sd_linear(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.cols, _ptr(bias),
+                               _ptr(residual), ldr, out.data_ptr(), ldy, -1.0 if norm_eps is None else norm_eps,
+                               DTYPES[x.dtype]))
     return out
 
 
@@ -236,16 +242,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
     out = torch.empty_like(x) if out is None else out
     if _rows(out)[1] != ld:
         raise ValueError("rms_norm's out must have the input's row stride")
-    library().sd_rms_norm(x.data_ptr(), out.data_ptr(), rows, 1, x.shape[-1], ld, 0, _ptr(weight), eps,
-                          DTYPES[x.dtype])
+    _check(library().sd_rms_norm(x.data_ptr(), out.data_ptr(), rows, 1, x.shape[-1], ld, 0, _ptr(weight), eps,
+                                 DTYPES[x.dtype]))
     return out
 
 
 def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """RMSNorm of each head in place: x [rows, heads, D], a view with contiguous heads."""
     rows, heads, dim = x.shape
-    library().sd_rms_norm(x.data_ptr(), x.data_ptr(), rows, heads, dim, x.stride(0), x.stride(1), weight.data_ptr(),
-                          eps, DTYPES[x.dtype])
+    _check(library().sd_rms_norm(x.data_ptr(), x.data_ptr(), rows, heads, dim, x.stride(0), x.stride(1),
+                                 weight.data_ptr(), eps, DTYPES[x.dtype]))
 
 
 def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
@@ -281,7 +287,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible
         raise ValueError("attention needs evenly spaced query rows")
     if visible is not None:
         visible = visible.contiguous()
-    library().sd_attention(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-                           keys.stride(1), batch, n, heads, kv, dim, columns, _ptr(visible), scale, out.data_ptr(),
-                           out.stride(1), DTYPES[q.dtype])
+    _check(library().sd_attention(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                  keys.stride(1), batch, n, heads, kv, dim, columns, _ptr(visible), scale,
+                                  out.data_ptr(), out.stride(1), DTYPES[q.dtype]))
     return out
