@@ -290,8 +290,8 @@ static void run_parallel(job_fn fn, void* arg, int parts) {
 }
 
 struct linear_job {
-    const void *x, *wp, *bias, *residual; void* y;
-    long M, K, ldx, N, ldr, ldy; float norm_eps; int dtype; const float *xf, *scale;
+    const void *wp, *bias, *residual; void* y;
+    long M, K, N, ldr, ldy; int dtype; const float *xf, *scale;  /* xf: x widened, [M, K] */
 };
 static void linear_part(void* arg, int part, int parts) {
     struct linear_job* j = arg;
@@ -317,7 +317,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
         scale = xf + M * K;
         for (long m = 0; m < M; m++) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
     }
-    struct linear_job job = {x, wp, bias, residual, y, M, K, ldx, N, ldr, ldy, norm_eps, dtype, xf, scale};
+    struct linear_job job = {wp, bias, residual, y, M, K, N, ldr, ldy, dtype, xf, scale};
     long panels = (N + NR - 1) / NR;
     int parts = M * K * N >= parallel_threshold ? active_threads : 1;
     if (parts > panels) parts = (int)panels;

@@ -162,11 +162,6 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPES
 
 
-def describe() -> str:
-    """Which vector code the library was compiled with ("avx2" or "portable")."""
-    return library().sd_vector().decode()
-
-
 def set_threads(threads: int) -> int:
     """Threads the kernels use, the caller included (default: torch.get_num_threads())."""
     return library().sd_set_threads(threads)
@@ -194,10 +189,6 @@ class Matrix:
     def unpack(self) -> torch.Tensor:
         """The [K, N] matrix back (tests, exports)."""
         return self.packed.permute(1, 0, 2).reshape(self.rows, -1)[:, :self.cols]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.packed.dtype
 
 
 def _check(status: int) -> None:
