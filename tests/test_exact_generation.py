@@ -100,9 +100,15 @@ def test_bfloat16_sampling_keeps_the_targets_distribution(drafter_kind, temperat
     drafter = {"draft": DraftModel(model_dirs["llama-draft"], dtype=torch.bfloat16, backend="native"),
                "self": DraftModel(target), "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
+    assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
+
+
+def sampled_pairs(target, prompt, drafter, config: SamplingConfig, tree=None, rows: int = 1500) -> torch.Tensor:
+    """Two-token continuations of ``prompt`` sampled with ``drafter``, three seeds, as flat ids t1 * V + t2."""
     samples = []
     for seed in range(3):
-        out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tree=tree)
+        out = specdec.generate(target, [prompt] * rows, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=seed,
+                               tree=tree)
         samples += [a * target.vocab_size + b for a, b in out.token_ids]
-    assert chi_square_p(torch.tensor(samples), exact) > P_VALUE
+    return torch.tensor(samples)

@@ -30,10 +30,12 @@ PLAIN, DRAFT_MODEL, PROMPT_LOOKUP = "plain", "draft-model", "prompt-lookup"
 
 @dataclass
 class Engine:
-    """What specdec runs on one backend: the target and, optionally, its draft model."""
+    """What specdec runs on one backend: the target, optionally its draft model, and trained drafters
+    ((registry name, drafter) pairs: Medusa, EAGLE, ...)."""
 
     target: Target
     draft: DraftModel | None = None
+    drafters: tuple = ()
 
     @property
     def backend(self) -> str:
@@ -59,6 +61,9 @@ class Method:
     k_sum: int = 0               # drafts proposed over all row-steps (for the mean k)
     decode_seconds: float = 0.0  # specdec: time after prefill (the steps the efficiency is about)
     decode_tokens: int = 0       # specdec: tokens those steps produced
+    feature_seconds: float = 0.0  # specdec: handing the target's features to the drafter
+    steps: int = 0               # specdec: batched verification steps
+    note: str = ""               # what the label adds (a drafter's own static tree)
     outputs: list = field(default_factory=list)
 
     @property
@@ -66,6 +71,8 @@ class Method:
         k = f" k={self.k}" if self.k else ""
         if self.tree is not None:
             k = f" tree={self.tree.depth}/{self.tree.topk}/{self.tree.num_nodes}"
+        if self.note:
+            k += f" {self.note}"
         batch = f" batch={self.batch_size}" if self.batch_size > 1 else ""
         tag = f"[{self.tag}]" if self.tag else ""
         return f"{self.impl}{tag} {self.family}{k}{batch}"
@@ -84,13 +91,13 @@ class Method:
 
 
 def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int,
-                   tag: str = "", tree: TreeConfig | None = None):
+                   tag: str = "", tree: TreeConfig | None = None, note: str = ""):
     config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree)
 
     def run(prompts):
         out = generate_ids(engine.target, prompts, drafter, config)
         return out.token_ids, out.stats
-    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, tree)
+    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, tree, note=note)
 
 
 class ForwardCounter:
@@ -167,6 +174,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                                   batch_size, tag, tree))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, None, max_new_tokens, batch_size, tag,
                                               tree))
+            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag)
     if reference is not None:
         model, draft_model = reference
         target = engines[0].target
@@ -181,6 +189,24 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
     return methods
 
 
+def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str) -> list:
+    """The methods of an engine's trained drafters, as the registry says each drafts."""
+    from .drafters.registry import REGISTRY
+
+    methods = []
+    for name, drafter in engine.drafters:
+        entry = REGISTRY[name]
+        if not entry.chains:  # its own static tree
+            note = f"tree={getattr(drafter, 'tree_nodes', '?')} nodes"
+            methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
+            continue
+        methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag) for k in ks]
+        if entry.trees:
+            methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
+                        for tree in trees]
+    return methods
+
+
 def _run_timed(method: Method, prompts: list[list[int]]):
     start = time.perf_counter()
     outputs, info = method.run(prompts)
@@ -192,12 +218,13 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               max_new_tokens: int = 64, batch_sizes=(1,), repeats: int = 1, max_ngram: int = 3,
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
-              trees: tuple[TreeConfig, ...] = ()) -> dict:
+              trees: tuple[TreeConfig, ...] = (), drafters: tuple = ()) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
     transformers' methods run on ``transformers_models`` = (model, draft model or None), by default
-    the target's and draft's own transformers models.
+    the target's and draft's own transformers models. ``drafters``: (registry name, drafter) pairs of
+    trained drafters measured beside them on the target's engine.
     """
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
@@ -205,7 +232,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
         raise InvalidArgumentError("every k must be >= 1")
     if any(b < 1 for b in batch_sizes):
         raise InvalidArgumentError("every batch size must be >= 1")
-    engines = [Engine(target, draft), *more_engines]
+    engines = [Engine(target, draft, tuple(drafters)), *more_engines]
     reference = None
     if with_transformers:
         reference = transformers_models or (transformers_model(target), draft and transformers_model(draft))
@@ -235,6 +262,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.k_sum += info.k_sum
                 method.decode_seconds += info.total_time - info.prefill_time
                 method.decode_tokens += info.new_tokens - len(outputs)  # the first token comes from prefill
+                method.feature_seconds += info.feature_time
+                method.steps += info.target_forwards - 1
             else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
                 method.tau_tokens += len(output)
@@ -250,6 +279,9 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
         costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
                                                                           context) for t in trees})
     result = _table(methods, mismatches, len(prompts), max_new_tokens, repeats, costs)
+    result["feature_costs"] = {name: feature_cost(engines[0].target.backend, drafter.features.hidden_layers,
+                                                  max(ks) + 1, context)
+                               for name, drafter in engines[0].drafters if getattr(drafter, "features", None)}
     result["implementation_differences"] = differences
     result["implementations_compared_exactly"] = strict
     result["outputs_identical"] = not mismatches and not (strict and differences)
@@ -282,7 +314,13 @@ def compare_outputs(results: list) -> tuple[list, list]:
     return mismatches, differences
 
 
-def forward_time(backend, n: int, context: int, repeats: int = 15) -> float:
+def feature_cost(backend, layers: tuple[int, ...], n: int, context: int) -> dict:
+    """What returning a drafter's target features costs a verification pass of n tokens (ms)."""
+    plain, carried = forward_time(backend, n, context), forward_time(backend, n, context, hidden_layers=layers)
+    return {"tokens": n, "hidden_layers": list(layers), "verify_ms": 1e3 * plain, "with_features_ms": 1e3 * carried}
+
+
+def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers: tuple[int, ...] = ()) -> float:
     """Median seconds of one forward pass of n new tokens at batch 1 after ``context`` cached tokens."""
     generator = torch.Generator().manual_seed(0)
     vocab = backend.vocab_size
@@ -295,7 +333,7 @@ def forward_time(backend, n: int, context: int, repeats: int = 15) -> float:
     times = []
     for _ in range(repeats + 3):
         start = time.perf_counter()
-        cache.forward(block, everyone, logits_to_keep=n)
+        cache.forward(block, everyone, logits_to_keep=n, hidden_layers=hidden_layers)
         times.append(time.perf_counter() - start)
         cache.truncate(cache.lengths - n)
     return statistics.median(times[3:])
@@ -320,6 +358,8 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     """
     if method.impl != "specdec" or method.batch_size != 1 or method.tree is not None:
         return None  # trees: drafting costs depth passes of topk tokens, not measured here
+    if method.family not in (PLAIN, DRAFT_MODEL, PROMPT_LOOKUP):
+        return None  # trained drafters: their passes are not timed separately
     target = costs["target"]
     if method.family == PLAIN:
         return 1.0 / target[1]
@@ -363,6 +403,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
                                  if single and single.seconds else None),
             "model_time_bound": bound,
             "efficiency": m.decode_tokens / m.decode_seconds / bound if bound and m.decode_seconds else None,
+            "feature_ms_per_step": 1e3 * m.feature_seconds / m.steps if m.steps and m.feature_seconds else None,
         })
     forward_costs = None
     if costs:
@@ -407,6 +448,12 @@ def format_table(result: dict) -> str:
                  f"max {result['max_new_tokens']} new tokens; {verdict}")
     lines.append("efficiency: tokens/s after prefill over the model-time bound tau / (T_draft + T_verify(k+1)), "
                  "1 / T(1) for plain; forward times measured in this run")
+    for name, cost in (result.get("feature_costs") or {}).items():
+        steps = [row["feature_ms_per_step"] for row in result["rows"]
+                 if row["family"] == name and row.get("feature_ms_per_step")]
+        lines.append(f"features for {name} (hidden_states {cost['hidden_layers']}): verifying {cost['tokens']} tokens "
+                     f"{cost['verify_ms']:.3f} ms, with features {cost['with_features_ms']:.3f} ms"
+                     + (f"; handing them on {min(steps):.3f}-{max(steps):.3f} ms per step" if steps else ""))
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
             f"{n}: {ratio:.2f}" for n, ratio in curve["ratio"].items()) + f" (T(1) = {curve['ms']['1']:.2f} ms)")
@@ -429,6 +476,9 @@ def add_bench_command(commands) -> None:
                        help="batch sizes for specdec's methods (transformers' run at batch 1)")
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
+    bench.add_argument("--drafters", nargs="+", default=[], metavar="NAME[=DIR]",
+                       help="trained drafters to measure too (medusa, eagle, eagle3; SGLang/vLLM names accepted); "
+                            "without =DIR the zoo's, trained for the zoo target")
     bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
                        help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
     bench.add_argument("--cost-curve", action="store_true",
@@ -466,26 +516,43 @@ def run_bench_command(args) -> int:
         if args.num_prompts < 1:
             raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         prompts = prompts[: args.num_prompts]
+    requested = [parse_drafter(text) for text in args.drafters]
     engines = []
     for backend in dict.fromkeys(args.backend):
         target = load_target(args.target, dtype=args.dtype, backend=backend)
         draft = make_drafter("draft-model", args, backend=backend) if args.draft else None
         if draft is not None:
             draft.check_compatible(target)
-        engines.append(Engine(target, draft))
+        trained = tuple((name, make_drafter(name, args, backend=backend, folder=folder)) for name, folder in requested)
+        engines.append(Engine(target, draft, trained))
     first = engines[0]
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     result = run_bench(first.target, first.target.encode(prompts), draft=first.draft, ks=args.k,
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
-                       more_engines=tuple(engines[1:]), trees=tuple(trees))
+                       more_engines=tuple(engines[1:]), trees=tuple(trees), drafters=first.drafters)
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     return 0 if result["outputs_identical"] else 1
+
+
+def parse_drafter(text: str) -> tuple[str, str]:
+    """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the zoo's eagle3 folder."""
+    from .drafters.registry import REGISTRY, resolve
+
+    name, _, folder = text.partition("=")
+    name = resolve(name)
+    entry = REGISTRY[name]
+    if not entry.folder or name == "draft-model":
+        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3), got {name!r}")
+    if not folder:
+        from .zoo import zoo_path
+        folder = str(zoo_path(entry.zoo))
+    return name, folder
 
 
 def parse_tree(text: str) -> TreeConfig:

@@ -15,7 +15,7 @@ import warnings
 
 from .clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
                        check_output_path, make_drafter, write_atomic)
-from .errors import InvalidArgumentError, NumericsWarning, SpecdecError
+from .errors import InvalidArgumentError, SpecdecError, SpecdecWarning
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
     add_model_arguments(gen)
     gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
-                     help="none | draft-model | prompt-lookup (SGLang's STANDALONE / NGRAM accepted)")
+                     help="none | draft-model | prompt-lookup | medusa | eagle | eagle3 (SGLang's --speculative-"
+                          "algorithm names and vLLM's methods accepted: STANDALONE, NGRAM, MEDUSA, EAGLE, EAGLE3)")
     gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=5,
                      help="draft tokens per step, the chain length (default 5)")
     add_generation_arguments(gen)
@@ -90,8 +91,11 @@ def run_generate(args) -> int:
     if args.prompt is not None and not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
-    if args.drafter == "draft-model" and not args.draft:
-        raise InvalidArgumentError("--drafter draft-model needs --draft DIR")
+    from .drafters.registry import REGISTRY
+    if REGISTRY[args.drafter].folder and not args.draft:
+        entry = REGISTRY[args.drafter]
+        raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR"
+                                   + (f" (the zoo's: specdec.zoo.zoo_path({entry.zoo!r}))" if entry.zoo else ""))
     check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
     drafter = make_drafter(args.drafter, args)
@@ -120,7 +124,7 @@ def one_line_warnings():
         default = warnings.showwarning
 
         def show(message, category, *rest, **options):
-            if issubclass(category, NumericsWarning):
+            if issubclass(category, SpecdecWarning):
                 print(f"specdec: warning: {message}", file=sys.stderr)
             else:
                 default(message, category, *rest, **options)

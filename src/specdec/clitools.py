@@ -12,11 +12,6 @@ from pathlib import Path
 
 from .errors import InvalidArgumentError
 
-DRAFTERS = ("none", "draft-model", "prompt-lookup")
-# SGLang's names for the same methods, accepted by --speculative-algorithm.
-SGLANG_ALGORITHMS = {"STANDALONE": "draft-model", "NGRAM": "prompt-lookup", "NONE": "none"}
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line."""
 
@@ -25,12 +20,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def drafter_name(value: str) -> str:
-    name = SGLANG_ALGORITHMS.get(value.upper(), value)
-    if name not in DRAFTERS:
-        raise argparse.ArgumentTypeError(
-            f"unknown drafter {value!r}; choose from {', '.join(DRAFTERS)} "
-            f"(or SGLang's {', '.join(SGLANG_ALGORITHMS)})")
-    return name
+    from .drafters.registry import argument_type
+    return argument_type(value)
 
 
 BACKENDS = ("auto", "native", "hf")
@@ -39,7 +30,7 @@ BACKENDS = ("auto", "native", "hf")
 def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool = False) -> None:
     parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (Hugging Face layout)")
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
-                        help="draft model directory (for --drafter draft-model)")
+                        help="the drafter's folder (draft-model, medusa, eagle, eagle3)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     if several_backends:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
@@ -65,16 +56,16 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
-def make_drafter(name: str, args, backend: str | None = None):
-    """The drafter named on the command line, loaded."""
-    from . import drafters
-    from .target import parse_dtype
+def make_drafter(name: str, args, backend: str | None = None, folder=None):
+    """The drafter named on the command line (the registry's name or an alias), loaded."""
+    import copy
 
-    if name == "draft-model":  # callers check that --draft was given before loading anything
-        return drafters.DraftModel(args.draft, dtype=parse_dtype(args.dtype), backend=backend or args.backend)
-    if name == "prompt-lookup":
-        return drafters.PromptLookup(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
-    return drafters.NoDraft()
+    from .drafters.registry import build
+
+    options = copy.copy(args)
+    if backend is not None:
+        options.backend = backend
+    return build(name, folder if folder is not None else getattr(args, "draft", None), options)
 
 
 def check_output_path(path: str | os.PathLike | None) -> None:

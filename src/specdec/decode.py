@@ -7,6 +7,7 @@ logits score every draft plus the token after them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import Sequences
-from .drafters.base import DecodeContext, Drafter, Proposal, TreeConfig
+from .drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
 from .drafters.none import NoDraft
 from .errors import ContextLengthError, InvalidArgumentError, NumericsWarning, UnsupportedModelError
 from .processors import GenerationProcessors
@@ -108,6 +109,10 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         return _finish(target, outputs, stats, started)
 
     pad = target.pad_token_id
+    nodes = int(getattr(drafter, "tree_nodes", 0))  # drafters with a static tree of their own (Medusa)
+    if nodes > config.k_limit:
+        config = dataclasses.replace(config, max_draft_tokens=max(config.max_draft_tokens, nodes),
+                                     num_draft_tokens=max(config.num_draft_tokens, nodes))
     capacity = max(len(p) for p in prompts) + config.max_new_tokens + config.k_limit + 2
     seqs = Sequences(prompts, capacity, pad, device=device)
     prompt_lengths = seqs.lengths.clone()
@@ -116,12 +121,13 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit,
                             cache_capacity(prompts, config), config.tree)
     session = drafter.start(context, seqs)
+    layers = (getattr(drafter, "features", None) or FeatureSpec()).hidden_layers  # what it reads of the target
 
     # Prefill: the whole prompt, left-padded; its last logits give the first new token.
     cache = target.new_cache(batch, context.cache_capacity)
     tick = time.perf_counter()
     tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
-    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=1)
+    logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=layers)
     if processors is not None:
         logits = processors.apply(seqs, prompt_lengths, logits)
     first = logits[:, -1].argmax(-1) if config.sampling.greedy else sample(
@@ -130,6 +136,10 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     stats.prefill_time = time.perf_counter() - tick
     seqs.append(first[:, None], torch.ones_like(seqs.lengths))
     generated = torch.ones_like(seqs.lengths)
+    if layers:  # the prompt's features, right-aligned with the pending (first) token already
+        tick = time.perf_counter()
+        session.observe(seqs, TargetFeatures(hidden, valid))
+        stats.draft_time += time.perf_counter() - tick
     done = (generated >= config.max_new_tokens) | torch.isin(first, eos)
 
     k = config.num_draft_tokens
@@ -153,8 +163,8 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         tick = time.perf_counter()
         process = processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg, proposal.tokens,
                                                                proposal.parents))
-        num_accepted, next_token, accepted, keep = _verify(target, cache, seqs, proposal, config.sampling,
-                                                           generator, process)
+        num_accepted, next_token, accepted, keep, hidden = _verify(target, cache, seqs, proposal, config.sampling,
+                                                                   generator, process, layers)
         # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
         if proposal.k:
             cache.truncate(cache.lengths - proposal.lengths + num_accepted, keep)
@@ -171,6 +181,11 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
 
         tick = time.perf_counter()
         session.accepted(seqs, num_accepted)
+        if layers:
+            feature_tick = time.perf_counter()
+            features = committed_features(hidden, keep, counts)
+            stats.feature_time += time.perf_counter() - feature_tick
+            session.observe(seqs, features)
         stats.draft_time += time.perf_counter() - tick
         if proposal.is_tree:
             deepest = proposal.depths().max(1).values if proposal.k else proposal.lengths
@@ -207,19 +222,41 @@ def cache_capacity(prompts: list[list[int]], config: GenerationConfig) -> int:
     return longest + config.k_limit + 2 + holes
 
 
+def committed_features(hidden: torch.Tensor, keep: torch.Tensor | None, counts: torch.Tensor) -> TargetFeatures:
+    """The features of the tokens a verification committed, right-aligned (drafters.base.TargetFeatures).
+
+    hidden: [B, k+1, F, H] of the block [pending, drafts]; keep: [B, k+1] the accepted path of a
+    tree (None: a chain, whose accepted columns come first); counts: [B] tokens committed, so the
+    pending token and the first counts - 1 accepted drafts have their features handed on.
+    """
+    batch, width = hidden.shape[:2]
+    if keep is None:
+        columns = torch.arange(width, device=hidden.device).expand(batch, width)
+    else:  # the path's columns in order: kept columns sorted by index (a path's depths increase with column)
+        columns = torch.where(keep, torch.arange(width, device=hidden.device), width).sort(dim=1).values
+    m = int(counts.max())
+    source = counts[:, None] - m + torch.arange(m, device=hidden.device)  # [B, m]; < 0: padding
+    valid = source >= 0
+    index = columns.gather(1, source.clamp(min=0)).clamp(max=width - 1)
+    states = hidden.gather(1, index[:, :, None, None].expand(-1, -1, *hidden.shape[2:]))
+    return TargetFeatures(states, valid)
+
+
 def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
-            sampling: SamplingConfig, generator: torch.Generator, process=None):
+            sampling: SamplingConfig, generator: torch.Generator, process=None, layers: tuple[int, ...] = ()):
     """One target pass over [pending, drafts]: the chain, or the whole tree under a tree mask.
 
     Returns (num_accepted [B], next_token [B], accepted tokens [B, D] (row b keeps its first
-    num_accepted[b]), keep [B, k+1] bool over the block's columns for trees, else None).
+    num_accepted[b]), keep [B, k+1] bool over the block's columns for trees, else None, hidden
+    states [B, k+1, len(layers), H] of the block or None).
     """
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]
     if not proposal.is_tree:
-        logits, _ = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
+        logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1,
+                                        hidden_layers=layers)  # [B, k+1, V]
         if process is not None:
             logits = process(logits)
         if sampling.greedy:
@@ -227,7 +264,7 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
         else:
             num_accepted, next_token = verify_sampling(probabilities(logits, sampling), proposal.tokens,
                                                        proposal.lengths, proposal.probs, generator)
-        return num_accepted, next_token, proposal.tokens, None
+        return num_accepted, next_token, proposal.tokens, None, hidden
     parents, lengths = proposal.parents, proposal.lengths
     batch, size = proposal.tokens.shape
     mask = torch.zeros(batch, size + 1, size + 1, dtype=torch.bool, device=tokens.device)
@@ -235,7 +272,8 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
     mask[:, 1:, 1:] = ancestor_mask(parents, lengths)
     depth = torch.cat([torch.zeros_like(pending), proposal.depths()], dim=1)
     positions = (seqs.lengths - 1)[:, None] + depth
-    logits, _ = target.forward(cache, tokens, valid, logits_to_keep=size + 1, block_mask=mask, positions=positions)
+    logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=size + 1, block_mask=mask, positions=positions,
+                                    hidden_layers=layers)
     if process is not None:
         logits = process(logits)
     if sampling.greedy:
@@ -247,7 +285,7 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
     keep = torch.zeros(batch, size + 1, dtype=torch.bool, device=tokens.device)
     keep[:, 0] = True
     keep.scatter_(1, path + 1, True)  # -1 padding marks the root again
-    return num_accepted, next_token, accepted, keep
+    return num_accepted, next_token, accepted, keep, hidden
 
 
 def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):

@@ -33,5 +33,17 @@ class UnsupportedModelError(CacheRollbackError):
     """The model keeps state or masks attention in a way speculative rollback cannot reproduce."""
 
 
-class NumericsWarning(UserWarning):
+class DrafterMismatchError(SpecdecError):
+    """A trained drafter does not fit the target, or a folder holds another method's drafter."""
+
+
+class SpecdecWarning(UserWarning):
+    """Base of specdec's warnings; the CLI prints them as one line."""
+
+
+class TargetMismatchWarning(SpecdecWarning):
+    """A drafter trained for another target of the same shapes: it runs, but acceptance may be low."""
+
+
+class NumericsWarning(SpecdecWarning):
     """The target's numerics depend on the block shape, so speculative output may differ from plain decoding."""

@@ -106,8 +106,7 @@ class NativeCache(RaggedCache):
         model = self.model
         stop = min(stop, len(model.layers))
         for index in range(block.layer, stop):
-            visible = block.masks[model.layers[index].window]
-            block.hidden = llama.decoder_layer(model, index, block.hidden, block.params, self.kv, visible)
+            block.hidden = self._layer(index, block)
             block.layer = index + 1
             if block.layer in block.hidden_layers and block.layer < len(model.layers):
                 block.taps[block.layer] = block.states
@@ -158,7 +157,7 @@ class NativeCache(RaggedCache):
         if any(not -count <= i < count for i in hidden_layers):
             raise InvalidArgumentError(f"hidden_layers {hidden_layers} outside [-{count}, {count})")
         hidden_layers = tuple(i % count for i in hidden_layers)
-        x = F.embedding(tokens.reshape(-1), model.embed)  # [B * n, H]
+        x = self._inputs(tokens)  # [B * n, H]
         flat = positions.reshape(-1).contiguous()
         work = self._scratch(batch, n)
         block = Block(x, (batch, n), past, 0, flat, masks, llama.block_params(model, self.kv, past, flat, work), work,
@@ -166,6 +165,15 @@ class NativeCache(RaggedCache):
         if 0 in hidden_layers:
             block.taps[0] = block.states
         return block
+
+    def _inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for a block of tokens [B, n]: [B * n, H] (drafter caches feed features too)."""
+        return F.embedding(tokens.reshape(-1), self.model.embed)
+
+    def _layer(self, index: int, block: Block) -> torch.Tensor:
+        """Layer ``index`` on ``block.hidden``: its output [B * n, H]."""
+        visible = block.masks[self.model.layers[index].window]
+        return llama.decoder_layer(self.model, index, block.hidden, block.params, self.kv, visible)
 
     def _scratch(self, batch: int, n: int) -> llama.Scratch:
         """Work buffers for this block shape; kept for small blocks, which recur every step."""

@@ -37,6 +37,8 @@ class Stats:
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
+    feature_time: float = 0.0         # gathering the target's features of committed tokens for the drafter
+                                      # (part of draft_time; computing them is part of the target passes)
     total_time: float = 0.0
     _steps: list = field(default_factory=list, repr=False)  # (proposed [B], accepted [B]) per step
 
@@ -140,7 +142,8 @@ class Stats:
             "acceptance by position " + " ".join(f"{r:.2f}" for r in self.acceptance_by_position),
             "accepted-length histogram " + " ".join(str(c) for c in self.accepted_histogram),
             f"time: prefill {self.prefill_time:.3f}s, draft {self.draft_time:.3f}s, "
-            f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s; "
+            f"verify {self.verify_time:.3f}s, total {self.total_time:.3f}s"
+            + (f" (features handed to the drafter {self.feature_time:.3f}s)" if self.feature_time else "") + "; "
             f"target KV cache {self.cache_bytes / 2**20:.2f} MiB",
         ]
         return "\n".join(lines)

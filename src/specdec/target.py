@@ -89,6 +89,25 @@ class Target:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         return cache.forward(tokens, valid, logits_to_keep, hidden_layers, block_mask, positions)
 
+    def input_embeddings(self) -> torch.Tensor:
+        """The embedding matrix [V, H] (drafters that reuse the target's embedding)."""
+        if self.model is None:
+            return self.backend.model.embed
+        return self.model.get_input_embeddings().weight.detach()
+
+    def output_head(self) -> torch.Tensor:
+        """The LM head's weight [V, H], applied after the final norm (drafters that reuse the head)."""
+        if self.model is None:
+            return self.backend.model.head_weight()
+        return self.model.get_output_embeddings().weight.detach()
+
+    def fingerprint(self) -> str:
+        """A short hash of the weights a drafter depends on (embedding and head, rounded to bfloat16, so
+        the same checkpoint loaded in any dtype gives the same value)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = weights_fingerprint(self.input_embeddings(), self.output_head())
+        return self._fingerprint
+
     def encode(self, prompts) -> list[list[int]]:
         """Prompts as token ids: each prompt is a string (needs a tokenizer) or a list of ints."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -114,6 +133,15 @@ class Target:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def weights_fingerprint(embed: torch.Tensor, head: torch.Tensor) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for tensor in (embed, head):
+        digest.update(tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,

@@ -57,6 +57,31 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class FeatureSpec:
+    """What a drafter reads from the target besides tokens; the loop serves it without knowing why.
+
+    ``hidden_layers`` index transformers' ``hidden_states``: 0 is the embedding output, i the output
+    of decoder layer i (1-based), num_layers the final-normed output (what the LM head reads).
+    ``embedding`` / ``head``: the drafter reuses the target's input embedding / LM head
+    (``Target.input_embeddings()``, ``Target.output_head()``), read once when a session starts.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    embedding: bool = False
+    head: bool = False
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """The target's hidden states of the tokens a step committed, handed to the drafter after the
+    prefill and after every verification (trees: the accepted path only). Right-aligned: the last
+    column of every row is the token just before its pending one."""
+
+    states: torch.Tensor  # [B, m, len(hidden_layers), H]; column j of row b: token seqs.lengths[b] - 1 - m + j
+    valid: torch.Tensor   # [B, m] bool; each row's valid columns are its last ones (at least one)
+
+
+@dataclass(frozen=True)
 class TreeConfig:
     """Token trees instead of chains: ``depth`` drafts deep, ``topk`` children per expanded node,
     ``num_nodes`` drafts verified per step (SGLang: --speculative-num-steps = depth,
@@ -98,9 +123,14 @@ class DraftSession(Protocol):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only rows ``index`` (finished rows leave the batch)."""
 
+    # Sessions of drafters that declare ``features`` also implement:
+    # def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+    #     """The target's features of newly committed tokens (after the prefill and after ``accepted``)."""
+
 
 class Drafter(Protocol):
     name: str
+    # features: FeatureSpec   (optional: what it reads from the target besides tokens)
 
     def start(self, context: DecodeContext, seqs: Sequences) -> DraftSession:
         """Validate against the target and open the per-call state."""

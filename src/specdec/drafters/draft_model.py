@@ -16,6 +16,7 @@ from ..batch import Sequences
 from ..errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
 from ..sampling import probabilities, sample
 from .base import DecodeContext, Proposal
+from .tree import dynamic_tree
 from ..target import Target, load_backend
 
 
@@ -129,50 +130,19 @@ class DraftModelSession:
         return probabilities(logits, self.sampling).log()
 
     def _propose_tree(self, root_logits: torch.Tensor) -> Proposal:
-        """A dynamic tree as EAGLE-2 builds it, with this draft model (root_logits: [B, V]).
-
-        Every expanded node gets its ``topk`` most likely children; of those, the ``topk`` with the
-        highest cumulative log-probability are expanded at the next depth, in one batched draft pass
-        under a tree mask. Of all candidates, the ``num_nodes`` best by cumulative log-probability
-        are verified. Children are deterministic top-k choices (point masses), which keeps sampling
-        exact under the tree rule.
-        """
-        tree, cache = self.tree, self.cache
-        batch, device = root_logits.shape[0], root_logits.device
-        width = tree.topk
+        """A dynamic tree as EAGLE-2 builds it (tree.py), with this draft model (root_logits: [B, V])."""
+        cache = self.cache
         self.tree_base = cache.lengths.clone()
-        score, token = self._scores(root_logits).topk(width, dim=-1)  # [B, K]
-        pool_tokens, pool_scores = [token], [score.double()]
-        pool_parents = [torch.full((batch, width), -1, dtype=torch.long, device=device)]
-        pool_depths = [torch.ones(batch, width, dtype=torch.long, device=device)]
-        frontier = torch.arange(width, device=device).expand(batch, width)  # pool index of each expanded node
-        frontier_score, frontier_token = score.double(), token
-        sees = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)  # [B, K, fed]
-        for depth in range(1, tree.depth):
+
+        def expand(frontier_token, parent_slot, sees, depth):
+            batch, width = frontier_token.shape
             positions = (self.tree_base - 1)[:, None] + depth
-            everyone = torch.ones(batch, width, dtype=torch.bool, device=device)
+            everyone = torch.ones(batch, width, dtype=torch.bool, device=frontier_token.device)
             logits, _ = cache.forward(frontier_token, everyone, logits_to_keep=width, block_mask=sees,
                                       positions=positions.expand(batch, width))
-            child_score, child_token = self._scores(logits).topk(width, dim=-1)  # [B, K, K]
-            child_score = frontier_score[:, :, None] + child_score.double()
-            start = sum(t.shape[1] for t in pool_tokens)
-            pool_tokens.append(child_token.flatten(1))
-            pool_scores.append(child_score.flatten(1))
-            pool_parents.append(frontier[:, :, None].expand(-1, -1, width).flatten(1))
-            pool_depths.append(torch.full((batch, width * width), depth + 1, dtype=torch.long, device=device))
-            if depth + 1 == tree.depth:
-                break
-            best = child_score.flatten(1).topk(width, dim=-1).indices  # [B, K] among the K*K children
-            parent_slot = best // width  # which fed node each new frontier node hangs from
-            fed = sees.shape[2]
-            ancestors = sees.gather(1, parent_slot[:, :, None].expand(-1, -1, fed))  # [B, K, fed]
-            itself = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
-            sees = torch.cat([ancestors, itself], dim=2)  # [B, K, fed + K]
-            frontier = start + best
-            frontier_score = child_score.flatten(1).gather(1, best)
-            frontier_token = child_token.flatten(1).gather(1, best)
-        return select_tree(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parents, 1),
-                           torch.cat(pool_depths, 1), tree.num_nodes)
+            return self._scores(logits)
+
+        return dynamic_tree(self._scores(root_logits), expand, self.tree)
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         if self.tree_base is not None:  # drop the whole draft tree; the next step feeds the accepted path
@@ -187,25 +157,3 @@ class DraftModelSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
-
-
-def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                num_nodes: int) -> Proposal:
-    """The ``num_nodes`` best candidates of a pool as a tree in order of depth.
-
-    tokens, scores, parents (pool index, -1 = root), depths: [B, P]. A child never scores above its
-    parent (log-probabilities add up), and ties go to the shallower node, so the chosen set holds
-    every ancestor of its members.
-    """
-    batch, pool = tokens.shape
-    count = min(num_nodes, pool)
-    rank = scores - 1e-9 * depths  # ties: parents first
-    chosen = rank.topk(count, dim=-1).indices  # [B, n]
-    order = (depths.gather(1, chosen) * pool + chosen).argsort(dim=-1)  # by depth, then pool index
-    chosen = chosen.gather(1, order)
-    new_index = torch.full((batch, pool), -1, dtype=torch.long, device=tokens.device)
-    new_index.scatter_(1, chosen, torch.arange(count, device=tokens.device).expand(batch, count))
-    old_parents = parents.gather(1, chosen)
-    tree_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
-    lengths = torch.full((batch,), count, dtype=torch.long, device=tokens.device)
-    return Proposal(tokens.gather(1, chosen), lengths, None, tree_parents, depths.gather(1, chosen))

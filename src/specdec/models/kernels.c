@@ -579,11 +579,15 @@ struct sd_block {
     void *qkv, *attn, *gate_up, *act;  /* work buffers, contiguous rows */
 };
 
-int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const void* x_in, void* x_out) {
+/* A decoder layer whose attention reads x_attn [M, K] (RMS-normed first when attn_eps >= 0) and whose
+   attention output is added to residual [M, H]: drafter layers (EAGLE's fused inputs) use it as is,
+   sd_decoder_layer is the standard case (x_attn = residual = x_in, K = H). */
+int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
+                          float attn_eps, const void* residual, void* x_out) {
     long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
     size_t es = esize(w->dtype);
     int dtype = w->dtype;
-    if (sd_linear(x_in, M, H, H, w->qkv, width, w->qkv_bias, NULL, 0, b->qkv, width, w->eps, dtype)) return 1;
+    if (sd_linear(x_attn, M, K, K, w->qkv, width, w->qkv_bias, NULL, 0, b->qkv, width, attn_eps, dtype)) return 1;
     if (w->q_norm) {
         if (sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype)) return 1;
         if (sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
@@ -602,9 +606,14 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
     }
     if (sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
                      b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype)) return 1;
-    if (sd_linear(b->attn, M, w->heads * D, w->heads * D, w->o, H, w->o_bias, x_in, H, x_out, H, -1.0f, dtype)) return 1;
+    if (sd_linear(b->attn, M, w->heads * D, w->heads * D, w->o, H, w->o_bias, residual, H, x_out, H, -1.0f, dtype))
+        return 1;
     if (sd_linear(x_out, M, H, H, w->gate_up, 2 * w->inner, w->gate_up_bias, NULL, 0, b->gate_up, 2 * w->inner,
                   w->eps, dtype)) return 1;
     sd_silu_mul(b->gate_up, M, w->inner, 2 * w->inner, b->act, w->inner, dtype);
     return sd_linear(b->act, M, w->inner, w->inner, w->down, H, w->down_bias, x_out, H, x_out, H, -1.0f, dtype);
+}
+
+int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const void* x_in, void* x_out) {
+    return sd_decoder_layer_from(w, b, x_in, w->hidden, w->eps, x_in, x_out);
 }

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import FULL, Window
 from ..errors import ModelLoadError, UnsupportedModelError
@@ -104,6 +103,11 @@ class Llama:
     head_dim: int
     eps: float                         # RMSNorm epsilon
     rope_table: torch.Tensor = field(default=None, repr=False)  # [P, D/2, 2] float32 cos, sin; grown on demand
+    lm_head: torch.Tensor | None = field(default=None, repr=False)  # [V, H] raw head weight when not tied
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's own weight [V, H], without the final norm (drafters that reuse the head)."""
+        return self.embed if self.lm_head is None else self.lm_head
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,6 +197,23 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
     block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
     block.visible = None if visible is None else visible.data_ptr()
     if _run_layer(model.layers[index].ref, block.ref, x.data_ptr(), out.data_ptr()):
+        raise MemoryError("the native forward pass could not allocate its work memory")
+    return out
+
+
+def decoder_layer_from(model: Llama, index: int, x_attn: torch.Tensor, attn_eps: float | None,
+                       residual: torch.Tensor, block: BlockParams, kv: torch.Tensor,
+                       visible: torch.Tensor | None) -> torch.Tensor:
+    """Layer ``index`` whose attention reads x_attn [B * n, K] (RMS-normed first unless attn_eps is
+    None) and adds its output to residual [B * n, H]: drafter layers with fused inputs."""
+    out = torch.empty_like(residual)
+    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
+    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
+    block.visible = None if visible is None else visible.data_ptr()
+    x_attn = x_attn.contiguous()
+    if kernels.library().sd_decoder_layer_from(model.layers[index].ref, block.ref, x_attn.data_ptr(),
+                                               x_attn.shape[-1], -1.0 if attn_eps is None else attn_eps,
+                                               residual.data_ptr(), out.data_ptr()):
         raise MemoryError("the native forward pass could not allocate its work memory")
     return out
 
@@ -350,8 +371,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     weights = read_weights(path)
     heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    hidden = config.hidden_size
-    dim = getattr(config, "head_dim", None) or hidden // heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
 
     def get(name: str, required: bool = True) -> torch.Tensor | None:
         if name not in weights:
@@ -360,13 +380,46 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             return None
         return weights[name].to(device=device, dtype=torch.float32)
 
-    def small(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype).contiguous()
+    layers = [pack_layer(get, f"model.layers.{index}.", heads, kv, dim, dtype, window=window)
+              for index, window in enumerate(layer_windows(config))]
+    embed = get("model.embed_tokens.weight")
+    head = embed if getattr(config, "tie_word_embeddings", False) else get("lm_head.weight")
+    final = get("model.norm.weight")
+    model = Llama(config=config, embed=small(embed, dtype), layers=layers, norm=small(final, dtype),
+                  head=matrix(head, dtype, final), inv_freq=inverse_frequencies(config, dim).to(device), heads=heads,
+                  kv_heads=kv, head_dim=dim, eps=float(config.rms_norm_eps),
+                  lm_head=None if head is embed else small(head, dtype))
+    bind_layers(model)
+    return model
 
-    def matrix(w: torch.Tensor, norm: torch.Tensor | None = None) -> Matrix:
-        """[out, in] -> packed [in, out], the weight of the norm before it folded into its rows (in float32)."""
-        w = w.t() if norm is None else w.t() * norm[:, None]
-        return Matrix.pack(w.to(dtype))
+
+def bind_layers(model: Llama) -> None:
+    """Give every layer its kernel parameters (after the model's sizes are known)."""
+    for layer in model.layers:
+        layer.params = layer_params(layer, model)
+        layer.ref = ctypes.byref(layer.params)
+
+
+def small(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype).contiguous()
+
+
+def matrix(w: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor | None = None) -> Matrix:
+    """[out, in] -> packed [in, out], the weight of the norm before it folded into its rows (in float32)."""
+    w = w.t() if norm is None else w.t() * norm[:, None]
+    return Matrix.pack(w.to(dtype))
+
+
+def pack_layer(get, at: str, heads: int, kv: int, dim: int, dtype: torch.dtype, window: Window = FULL,
+               input_norm: bool = True) -> Layer:
+    """One decoder layer from HF-named float32 tensors (``get(name, required=True)``, names under ``at``),
+    in the kernels' layout; shared by the native target and the drafter networks.
+
+    input_norm=False: the layer's input is not RMS-normed before the q/k/v product (EAGLE's first
+    layer, or inputs the caller normed itself).
+    """
+    device = get(at + "self_attn.q_proj.weight").device
+    a, m = at + "self_attn.", at + "mlp."
 
     def joined(names: list[str], size: list[int]) -> torch.Tensor | None:
         parts = [get(name, required=False) for name in names]
@@ -375,41 +428,29 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         return torch.cat([part if part is not None else torch.zeros(n, device=device)
                           for part, n in zip(parts, size)])
 
-    layers = []
-    for index, window in enumerate(layer_windows(config)):
-        at = f"model.layers.{index}."
-        a, m = at + "self_attn.", at + "mlp."
-        q = group_major(pair_halves(get(a + "q_proj.weight"), heads, dim), kv, dim)
-        k = pair_halves(get(a + "k_proj.weight"), kv, dim)
-        sizes = [heads * dim, kv * dim, kv * dim]
-        qkv_bias = joined([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], sizes)
-        if qkv_bias is not None:
-            q_bias, k_bias, v_bias = qkv_bias.split(sizes)
-            q_bias = group_major(pair_halves(q_bias, heads, dim), kv, dim)
-            qkv_bias = torch.cat([q_bias, pair_halves(k_bias, kv, dim), v_bias])
-        q_norm, k_norm = get(a + "q_norm.weight", required=False), get(a + "k_norm.weight", required=False)
-        if q_norm is not None:
-            q_norm, k_norm = (pair_halves(w, 1, dim) for w in (q_norm, k_norm))
-        layers.append(Layer(
-            qkv=matrix(torch.cat([q, k, get(a + "v_proj.weight")]), get(at + "input_layernorm.weight")),
-            qkv_bias=small(qkv_bias), q_norm=small(q_norm), k_norm=small(k_norm),
-            o=matrix(group_major(get(a + "o_proj.weight").t(), kv, dim).t()),
-            o_bias=small(get(a + "o_proj.bias", required=False)),
-            gate_up=matrix(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
-                           get(at + "post_attention_layernorm.weight")),
-            gate_up_bias=small(joined([m + "gate_proj.bias", m + "up_proj.bias"], [config.intermediate_size] * 2)),
-            down=matrix(get(m + "down_proj.weight")), down_bias=small(get(m + "down_proj.bias", required=False)),
-            window=window))
-    embed = get("model.embed_tokens.weight")
-    head = embed if getattr(config, "tie_word_embeddings", False) else get("lm_head.weight")
-    final = get("model.norm.weight")
-    model = Llama(config=config, embed=small(embed), layers=layers, norm=small(final), head=matrix(head, final),
-                  inv_freq=inverse_frequencies(config, dim).to(device), heads=heads, kv_heads=kv, head_dim=dim,
-                  eps=float(config.rms_norm_eps))
-    for layer in layers:
-        layer.params = layer_params(layer, model)
-        layer.ref = ctypes.byref(layer.params)
-    return model
+    q = group_major(pair_halves(get(a + "q_proj.weight"), heads, dim), kv, dim)
+    k = pair_halves(get(a + "k_proj.weight"), kv, dim)
+    sizes = [heads * dim, kv * dim, kv * dim]
+    qkv_bias = joined([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], sizes)
+    if qkv_bias is not None:
+        q_bias, k_bias, v_bias = qkv_bias.split(sizes)
+        q_bias = group_major(pair_halves(q_bias, heads, dim), kv, dim)
+        qkv_bias = torch.cat([q_bias, pair_halves(k_bias, kv, dim), v_bias])
+    q_norm, k_norm = get(a + "q_norm.weight", required=False), get(a + "k_norm.weight", required=False)
+    if q_norm is not None:
+        q_norm, k_norm = (pair_halves(w, 1, dim) for w in (q_norm, k_norm))
+    gate = get(m + "gate_proj.weight")
+    inner = gate.shape[0]
+    return Layer(
+        qkv=matrix(torch.cat([q, k, get(a + "v_proj.weight")]), dtype,
+                   get(at + "input_layernorm.weight") if input_norm else None),
+        qkv_bias=small(qkv_bias, dtype), q_norm=small(q_norm, dtype), k_norm=small(k_norm, dtype),
+        o=matrix(group_major(get(a + "o_proj.weight").t(), kv, dim).t(), dtype),
+        o_bias=small(get(a + "o_proj.bias", required=False), dtype),
+        gate_up=matrix(torch.cat([gate, get(m + "up_proj.weight")]), dtype, get(at + "post_attention_layernorm.weight")),
+        gate_up_bias=small(joined([m + "gate_proj.bias", m + "up_proj.bias"], [inner] * 2), dtype),
+        down=matrix(get(m + "down_proj.weight"), dtype), down_bias=small(get(m + "down_proj.bias", required=False), dtype),
+        window=window)
 
 
 def unsupported_run(dtype: torch.dtype, device) -> str | None:

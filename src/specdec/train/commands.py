@@ -20,7 +20,7 @@ def _common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="folder for the exported model (created if needed)")
     parser.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint folder (default: OUT/checkpoints)")
     parser.add_argument("--config", default=None, help="JSON file overriding the preset (same structure as the summary's config)")
-    parser.add_argument("--preset", default=None, help="named configuration: zoo (default) or tiny")
+    parser.add_argument("--preset", default=None, help="named configuration (zoo or tiny; drafters: their method name or tiny)")
     parser.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides the config)")
     parser.add_argument("--seed", type=int, default=None, help="seed for initialisation and data order")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop cleanly, checkpoint and export after this wall time")
@@ -82,6 +82,26 @@ def cmd_train_distill(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    """``specdec train medusa|eagle|eagle3``: one objective per method, the shared loop."""
+    from specdec.train import eagle, medusa
+
+    _check_resume_options(args)
+    _set_threads(args.threads)
+    module = medusa if args.train_command == "medusa" else eagle
+    preset = args.preset or ("medusa" if args.train_command == "medusa" else args.train_command)
+    config = _apply_overrides(module.load_config(args.config, preset), args)
+    if module is eagle:
+        from dataclasses import replace
+
+        config = replace(config, version=3 if args.train_command == "eagle3" else 1)
+    train = medusa.train_medusa if module is medusa else eagle.train_eagle
+    summary = train(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
+                    max_minutes=args.max_minutes)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
 def cmd_zoo_build(args) -> int:
     from specdec.zoo import build
 
@@ -129,6 +149,14 @@ def add_commands(subparsers) -> None:
     _common_run_options(p)
     p.add_argument("--target", required=True, type=Path, help="exported target model folder")
     p.set_defaults(func=cmd_train_distill)
+
+    for name, text in (("medusa", "Medusa-1 heads on the frozen target's last hidden state"),
+                       ("eagle", "an EAGLE-1 drafter (feature regression + token loss)"),
+                       ("eagle3", "an EAGLE-3 drafter (fused low/mid/high features, training-time test)")):
+        p = train_sub.add_parser(name, help=f"train {text}")
+        _common_run_options(p)
+        p.add_argument("--target", required=True, type=Path, help="exported target model folder")
+        p.set_defaults(func=cmd_train_drafter)
 
     zoo = subparsers.add_parser("zoo", help="build the model zoo")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)

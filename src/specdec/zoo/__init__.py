@@ -1,7 +1,9 @@
 """The model zoo: a tokenizer, a target, a distilled draft and task sets, all built offline.
 
 ``zoo_path("target")`` / ``zoo_path("draft")`` give folders that load with
-``transformers.AutoModelForCausalLM.from_pretrained``. See docs/zoo.md.
+``transformers.AutoModelForCausalLM.from_pretrained``; ``zoo_path("medusa")``, ``zoo_path("eagle")``
+and ``zoo_path("eagle3")`` are drafters trained for the zoo target, in the layouts serving engines
+load. See docs/zoo.md.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
-MODEL_NAMES = ("target", "draft")
+MODEL_NAMES = ("target", "draft")          # causal LMs (load with transformers)
+DRAFTER_NAMES = ("medusa", "eagle", "eagle3")  # trained drafters for the zoo target (their own layouts)
 _DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
@@ -29,9 +32,9 @@ def default_tokenizer_dir() -> Path:
 
 
 def zoo_path(name: str) -> Path:
-    """Folder of the zoo model ``name`` ("target" or "draft"); raises ZooError if unknown or missing."""
-    if name not in MODEL_NAMES:
-        raise ZooError(f"unknown zoo model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
+    """Folder of the zoo model ``name`` (a causal LM or a drafter); raises ZooError if unknown or missing."""
+    if name not in MODEL_NAMES + DRAFTER_NAMES:
+        raise ZooError(f"unknown zoo model {name!r}; expected one of {', '.join(MODEL_NAMES + DRAFTER_NAMES)}")
     path = _DATA_DIR / name
     if not (path / "config.json").is_file():
         raise ZooError(f"zoo model {name!r} is not built ({path} has no config.json); run `specdec zoo build`")

@@ -1,0 +1,173 @@
+"""EAGLE-1 and EAGLE-3 sessions: one drafter layer over the target's features, chains and EAGLE-2 trees.
+
+The drafter's own KV cache holds one entry per committed token pair (f_t, x_{t+1}): the target's
+feature at t and the token after it. ``observe`` appends the pairs the target just committed (after
+the prefill and after every verification), and keeps the drafter's output at each row's last pair,
+which predicts the first draft. Drafting adds entries fed with the drafter's own outputs; after
+verification ``accepted`` drops them all (the cache rolls back to the committed pairs), and the
+next ``observe`` re-enters the accepted tokens with the target's true features.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ..batch import Sequences
+from ..errors import DrafterMismatchError, TargetMismatchWarning, UnsupportedModelError
+from ..models import eagle, kernels
+from ..sampling import probabilities, sample
+from .base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from .tree import dynamic_tree
+
+
+class Eagle:
+    """An EAGLE drafter folder (EAGLE-1 or EAGLE-3, read from its config.json).
+
+    ``version``: refuse a folder of the other version (1 or 3); None accepts either.
+    """
+
+    def __init__(self, path: str | os.PathLike, version: int | None = None):
+        self.path = str(path)
+        self.net = eagle.load_net(path, expect_version=version)
+        self.config = self.net.config
+        self.name = self.config.name
+        self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True,
+                                    head=self.config.version == 1)
+        self._runtimes: dict = {}
+
+    @property
+    def version(self) -> int:
+        return self.config.version
+
+    def check_target(self, target) -> None:
+        self.check_target_record(self.config.target, self.config.hidden_size, self.config.vocab_size,
+                                 self.features.hidden_layers, target, f"the EAGLE-{self.version} drafter in {self.path}",
+                                 self)
+
+    @staticmethod
+    def check_target_record(record, hidden: int, vocab: int, layers, target, what: str, owner) -> None:
+        """Refuse a target whose shapes do not fit (one line); warn once when only its weights differ."""
+        if hidden != int(target.config.hidden_size):
+            raise DrafterMismatchError(f"{what} has hidden size {hidden}, the target {target.config.hidden_size}")
+        if vocab != target.vocab_size:
+            raise DrafterMismatchError(f"{what} has vocabulary size {vocab}, the target {target.vocab_size}")
+        if layers and max(layers) > target.num_layers:
+            raise DrafterMismatchError(f"{what} reads hidden_states {list(layers)}, the target has "
+                                       f"{target.num_layers} layers")
+        if getattr(owner, "_checked", None) is target:
+            return
+        warning = record.check(target, what)
+        owner._checked = target
+        if warning:
+            warnings.warn(warning, TargetMismatchWarning, stacklevel=4)
+
+    def runtime(self, target) -> eagle.EagleRuntime:
+        dtype = target.backend.dtype
+        key = (id(target), dtype)
+        if key not in self._runtimes:
+            reason = kernels.available() or (None if kernels.supported_dtype(dtype) else f"dtype {dtype}")
+            if reason or target.device.type != "cpu":
+                raise UnsupportedModelError(f"EAGLE drafters run on specdec's CPU kernels: "
+                                            f"{reason or f'the target is on {target.device}'}")
+            self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(),
+                                                      target.output_head() if self.version == 1 else None, dtype)}
+        return self._runtimes[key]
+
+    def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":
+        self.check_target(context.target)
+        return EagleSession(self.runtime(context.target), context, seqs.batch_size)
+
+
+class EagleSession:
+    def __init__(self, runtime: eagle.EagleRuntime, context: DecodeContext, batch_size: int):
+        self.runtime = runtime
+        self.sampling, self.generator = context.sampling, context.generator
+        self.pad = context.target.pad_token_id
+        self.vocab = context.target.vocab_size
+        self.tree = context.tree
+        self.cache = runtime.new_cache(batch_size, context.cache_capacity)
+        self.last: torch.Tensor | None = None   # [B, H] output at each row's last committed pair
+        self.base: torch.Tensor | None = None   # [B] committed pairs while drafts sit on top
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        width = features.states.shape[1]
+        tokens, _ = seqs.window(seqs.lengths - width, seqs.lengths, self.pad)  # x_{t+1} of each feature f_t
+        out = self.cache.run(tokens, features.states.flatten(2), features.valid)  # [B, m, H]
+        self.last = out[:, -1]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Drafter logits over the target's vocabulary [.., V] (-inf outside a reduced draft vocabulary)."""
+        logits = self.runtime.logits(out).float()
+        ids = self.runtime.draft_ids
+        if ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"))
+        full[..., ids] = logits
+        return full
+
+    def _next(self, out: torch.Tensor):
+        if self.sampling.greedy:
+            logits = self.runtime.logits(out)
+            slot = logits.argmax(-1)
+            ids = self.runtime.draft_ids
+            return (slot if ids is None else ids[slot]), None
+        probs = probabilities(self._logits(out), self.sampling)
+        return sample(probs, self.generator), probs
+
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        self.base = self.cache.lengths.clone()
+        if self.tree is not None:
+            return self._propose_tree()
+        batch = self.last.shape[0]
+        everyone = torch.ones(batch, 1, dtype=torch.bool, device=self.last.device)
+        out = self.last
+        drafts, dists = [], []
+        for step in range(k):
+            token, probs = self._next(out)
+            drafts.append(token)
+            dists.append(probs)
+            if step + 1 < k:
+                out = self.cache.run(token[:, None], out[:, None], everyone)[:, -1]
+        lengths = torch.full((batch,), k, dtype=torch.long, device=self.last.device)
+        stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
+        return Proposal(torch.stack(drafts, dim=1), lengths, stacked)
+
+    def _scores(self, out: torch.Tensor) -> torch.Tensor:
+        """Log-scores over the draft vocabulary slots (warped when sampling)."""
+        logits = self.runtime.logits(out).float()
+        if self.sampling.greedy:
+            return torch.log_softmax(logits, dim=-1)
+        return probabilities(logits, self.sampling).log()
+
+    def _propose_tree(self) -> Proposal:
+        """EAGLE-2: expand the best nodes by the drafter's own confidence (tree.py)."""
+        cache, state = self.cache, {"out": None}
+
+        def expand(frontier_token, parent_slot, sees, depth):
+            batch, width = frontier_token.shape
+            if parent_slot is None:
+                parents = self.last[:, None].expand(batch, width, -1)
+            else:
+                previous = state["out"]
+                parents = previous.gather(1, parent_slot[:, :, None].expand(-1, -1, previous.shape[2]))
+            positions = (self.base + depth - 1)[:, None].expand(batch, width)
+            everyone = torch.ones(batch, width, dtype=torch.bool, device=frontier_token.device)
+            out = cache.run(frontier_token, parents.contiguous(), everyone, block_mask=sees, positions=positions)
+            state["out"] = out
+            return self._scores(out)
+
+        return dynamic_tree(self._scores(self.last), expand, self.tree, self.runtime.draft_ids)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        if self.base is not None:  # drop every drafted entry; ``observe`` enters the accepted ones anew
+            self.cache.truncate(self.base)
+            self.cache.compact()
+            self.base = None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.select_rows(index)
+        if self.last is not None:
+            self.last = self.last.index_select(0, index)

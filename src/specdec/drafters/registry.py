@@ -1,0 +1,105 @@
+"""Every drafter specdec ships, in one table: the CLI, bench and demo read it, never a chain of ifs.
+
+An entry says how to build the drafter from the command line's options, the names serving
+engines use for the same method (SGLang's ``--speculative-algorithm``, vLLM's
+``speculative_config["method"]``), whether it needs a folder (``--draft DIR``) and which zoo model
+is trained for the zoo target.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    name: str
+    summary: str
+    aliases: tuple[str, ...] = ()   # SGLang / vLLM names, matched case-insensitively
+    folder: bool = False            # built from a folder (--draft DIR)
+    zoo: str | None = None          # the zoo model trained for the zoo target
+    chains: bool = True             # drafts chains of k (else its own static tree)
+    trees: bool = False             # builds dynamic trees (TreeConfig)
+    build: Callable = None          # (folder or None, options namespace) -> Drafter
+
+
+def _none(folder, options):
+    from .none import NoDraft
+    return NoDraft()
+
+
+def _draft_model(folder, options):
+    from ..target import parse_dtype
+    from .draft_model import DraftModel
+    return DraftModel(folder, dtype=parse_dtype(getattr(options, "dtype", "float32")),
+                      backend=getattr(options, "backend", None) or "auto")
+
+
+def _prompt_lookup(folder, options):
+    from .prompt_lookup import PromptLookup
+    return PromptLookup(max_ngram=getattr(options, "max_ngram", 3), min_ngram=getattr(options, "min_ngram", 1))
+
+
+def _medusa(folder, options):
+    from .medusa import Medusa
+    return Medusa(folder, choices=getattr(options, "medusa_choices", None))
+
+
+def _eagle(version):
+    def build(folder, options):
+        from .eagle import Eagle
+        return Eagle(folder, version=version)
+    return build
+
+
+REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
+    DrafterEntry("none", "plain decoding, no drafts", ("NONE",), build=_none),
+    DrafterEntry("draft-model", "a small causal LM with the target's vocabulary", ("STANDALONE", "draft_model"),
+                 folder=True, zoo="draft", trees=True, build=_draft_model),
+    DrafterEntry("prompt-lookup", "n-gram matches in the prompt and output", ("NGRAM",), trees=True,
+                 build=_prompt_lookup),
+    DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
+                 zoo="medusa", chains=False, build=_medusa),
+    DrafterEntry("eagle", "EAGLE-1: one layer over the target's last feature", ("EAGLE",), folder=True,
+                 zoo="eagle", trees=True, build=_eagle(1)),
+    DrafterEntry("eagle3", "EAGLE-3: one layer over fused low/mid/high target features", ("EAGLE3",), folder=True,
+                 zoo="eagle3", trees=True, build=_eagle(3)),
+)}
+
+
+def resolve(value: str) -> str:
+    """A drafter's name from its own name or an engine's alias (any case)."""
+    if value in REGISTRY:
+        return value
+    for entry in REGISTRY.values():
+        if value.lower() == entry.name or value.lower() in (alias.lower() for alias in entry.aliases):
+            return entry.name
+    known = ", ".join(REGISTRY)
+    aliases = ", ".join(a for e in REGISTRY.values() for a in e.aliases if a.isupper())
+    raise InvalidArgumentError(f"unknown drafter {value!r}; choose from {known} (or SGLang's {aliases})")
+
+
+def argument_type(value: str) -> str:
+    """argparse ``type=`` for --drafter: the resolved name, or a usage error."""
+    try:
+        return resolve(value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build(name: str, folder=None, options=None):
+    """The drafter ``name`` (an alias is fine), from ``folder`` when it needs one."""
+    entry = REGISTRY[resolve(name)]
+    if entry.folder and folder is None:
+        raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR (a {entry.name} folder"
+                                   + (f"; the zoo's is specdec.zoo.zoo_path({entry.zoo!r})" if entry.zoo else "") + ")")
+    return entry.build(folder, options or argparse.Namespace())
+
+
+def help_text() -> str:
+    return " | ".join(f"{e.name}" for e in REGISTRY.values()) + " (SGLang/vLLM names accepted: " + ", ".join(
+        a for e in REGISTRY.values() for a in e.aliases) + ")"

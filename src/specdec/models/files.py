@@ -1,0 +1,56 @@
+"""Writing a model folder so that a reader never sees half of it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | os.PathLike):
+    """Yield a temporary folder next to ``out_dir``; on success each file written there replaces its
+    namesake in ``out_dir`` (os.replace), on failure nothing in ``out_dir`` changes."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".write-", dir=out_dir))
+    try:
+        yield work
+        for item in sorted(work.iterdir(), key=lambda p: p.name == "config.json"):  # config.json last
+            os.chmod(item, 0o644)
+            os.replace(item, out_dir / item.name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def save_folder(out_dir, config: dict, weights_file: str, tensors: dict, dtype, extra: dict[str, str] | None = None):
+    """config.json + safetensors weights (floating tensors in ``dtype``) + ``extra`` text files, atomically."""
+    import json
+
+    from safetensors.torch import save_file
+
+    stored = {}
+    for name, value in tensors.items():
+        value = value.detach().cpu()
+        stored[name] = value.to(dtype).contiguous() if value.is_floating_point() else value.contiguous()
+    with atomic_dir(out_dir) as work:
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(stored, str(work / weights_file), metadata={"format": "pt"})
+        for name, text in (extra or {}).items():
+            (work / name).write_text(text)
+    return Path(out_dir)
+
+
+def check_weights(weights: dict, expected: dict, file) -> None:
+    """Every expected tensor present with the shape the config implies; one-line ModelLoadError otherwise."""
+    from ..errors import ModelLoadError
+
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ModelLoadError(f"{file} lacks {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+    for name, value in expected.items():
+        if tuple(weights[name].shape) != tuple(value.shape):
+            raise ModelLoadError(f"{file}: {name} has shape {tuple(weights[name].shape)}, config.json implies "
+                                 f"{tuple(value.shape)}")

@@ -1,0 +1,197 @@
+"""Train an EAGLE-1 or EAGLE-3 drafter against a frozen target (the objective; the loop is loop.py).
+
+EAGLE-1: feature regression (SmoothL1 to the target's next feature) plus 0.1 x soft cross-entropy
+to the target's next-token distribution, with uniform noise on the input features (METHODS.md 3).
+EAGLE-3: training-time test: the drafter is rolled out ``ttt_steps`` deep, each step fed its own
+previous output with the attention pattern of inference, and scored by soft cross-entropy to the
+target's distribution over the draft vocabulary, step i weighted 0.8^i (METHODS.md 5).
+
+Every evaluation reports the offline predicted tau (features.py); the summary keeps it, and a
+drafter that predicts tau near 1 says so loudly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import SpecdecError
+from specdec.models import eagle
+from specdec.train import config as train_config
+from specdec.train.config import config_to_dict
+from specdec.train.features import (FrozenTarget, acceptance_summary, anchor_mask, leading_matches, prepare_run,
+                                    shifted, warn_if_useless)
+from specdec.train.loop import OptimConfig, run_loop
+
+
+class EagleTrainError(SpecdecError):
+    pass
+
+
+@dataclass(frozen=True)
+class EagleShape:
+    """Dummy nested shape (the config machinery merges ``shape`` and ``optim`` objects)."""
+
+    intermediate: int = 0  # 0: the target's intermediate size
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    version: int = 3
+    shape: EagleShape = field(default_factory=EagleShape)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=1200, lr=2e-3, warmup_steps=50,
+                                                                   eval_every=200, ckpt_every_steps=100))
+    batch_size: int = 8
+    train_sequences: int = 2048
+    heldout_sequences: int = 48
+    prefix_len: int = 64
+    generated_len: int = 192
+    generation_batch: int = 64
+    ttt_steps: int = 5             # EAGLE-3 rollout depth in training (EAGLE-1: 1)
+    eval_depth: int = 6            # drafts per anchor in the offline metric
+    draft_vocab_size: int = 2048   # EAGLE-3; 0 = the whole target vocabulary
+    noise: float = 0.2             # EAGLE-1: uniform noise width on input features (x 512 / seq_len)
+    v_weight: float = 1.0
+    p_weight: float = 0.1
+    ttt_decay: float = eagle.TTT_DECAY
+    seed: int = 0
+
+
+PRESETS: dict[str, EagleTrainConfig] = {
+    "eagle3": EagleTrainConfig(),
+    "eagle": EagleTrainConfig(version=1, ttt_steps=1, optim=OptimConfig(steps=1200, lr=2e-3, warmup_steps=50,
+                                                                       eval_every=200, ckpt_every_steps=100)),
+    "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
+                             batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
+                             generation_batch=8, ttt_steps=3, eval_depth=3, draft_vocab_size=0),
+}
+
+
+def load_config(path: str | None, preset: str) -> EagleTrainConfig:
+    return train_config.load_config(EagleTrainConfig, PRESETS, path, preset, "EAGLE training")
+
+
+def config_from_dict(values: dict[str, Any]) -> EagleTrainConfig:
+    return train_config.config_from_dict(EagleTrainConfig, values, "EAGLE training")
+
+
+def draft_vocabulary(sequences, size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the training tokens, sorted (EAGLE-3's draft vocabulary)."""
+    tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
+    counts = torch.bincount(tokens[valid], minlength=vocab)
+    return counts.topk(size).indices.sort().values
+
+
+class Objective:
+    """Loss and offline metric of one EAGLE version, given the frozen target."""
+
+    def __init__(self, config: EagleTrainConfig, frozen: FrozenTarget, layers: tuple[int, ...]):
+        self.config, self.frozen, self.layers = config, frozen, layers
+
+    def embeds(self, tokens: torch.Tensor, steps: int, pairs: int) -> list[torch.Tensor]:
+        return [F.embedding(shifted(tokens, 1 + i, pairs), self.frozen.embed) for i in range(steps)]
+
+    def loss(self, net: eagle.EagleNet, batch) -> torch.Tensor:
+        tokens, valid = batch
+        c = self.config
+        features, logits = self.frozen.run(tokens, valid, self.layers)  # [B, T, F], [B, T, V]
+        pairs = tokens.shape[1] - 1
+        inputs = features[:, :pairs]
+        steps = c.ttt_steps if net.config.version == 3 else 1
+        if net.config.version == 1 and c.noise > 0:
+            scale = c.noise * 512 / tokens.shape[1]
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * scale
+        outputs = net.rollout(self.embeds(tokens, steps, pairs), inputs, steps)
+        total = 0.0
+        for step, out in enumerate(outputs):
+            mask = shifted(valid, 1 + step, pairs, False).float()  # [B, N] the target logits exist
+            target = shifted(logits, 1 + step, pairs)              # [B, N, V]
+            if net.config.version == 3:
+                ids = net.draft_ids()
+                in_vocab = net.t2d[target.argmax(-1)].float()
+                probs = torch.softmax(target[..., ids], dim=-1)
+                ce = -(probs * torch.log_softmax(net.logits(out, None), dim=-1)).sum(-1)
+                weight = mask * in_vocab
+                total = total + c.ttt_decay ** step * (ce * weight).sum() / weight.sum().clamp(min=1)
+            else:
+                next_feature = shifted(features, 1, pairs)
+                vloss = F.smooth_l1_loss(out, next_feature, reduction="none").mean(-1)
+                probs = torch.softmax(target, dim=-1)
+                ploss = -(probs * torch.log_softmax(net.logits(out, self.frozen.head), dim=-1)).sum(-1)
+                total = total + ((c.v_weight * vloss + c.p_weight * ploss) * mask).sum() / mask.sum().clamp(min=1)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, net: eagle.EagleNet, held) -> dict[str, float]:
+        """Offline acceptance on held-out greedy continuations, drafting as at inference."""
+        net.eval()
+        depth = self.config.eval_depth
+        accepted = []
+        for start in range(0, held.tokens.shape[0], 8):
+            rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
+            tokens, valid = held.batch(rows)
+            features, logits = self.frozen.run(tokens, valid, self.layers)
+            pairs = tokens.shape[1] - 1
+            outputs = net.rollout(self.embeds(tokens, depth, pairs), features[:, :pairs], depth)
+            ids = net.draft_ids()
+            drafts = torch.stack([ids[net.logits(out, self.frozen.head).argmax(-1)] for out in outputs], -1)
+            truth = torch.stack([shifted(logits.argmax(-1), 1 + i, pairs, -1) for i in range(depth)], -1)
+            anchors = anchor_mask(valid, held.prompt_len, pairs, depth)
+            accepted.append(leading_matches(drafts == truth)[anchors])
+        return acceptance_summary(torch.cat(accepted), depth)
+
+
+def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
+                resume: bool = False, max_minutes: float | None = None,
+                log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train (or resume) an EAGLE drafter for the target in ``target_dir``; save it to ``out_dir``."""
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    run = prepare_run("eagle", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
+    config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
+    if config.version not in (1, 3):
+        raise EagleTrainError(f"EAGLE version must be 1 or 3, got {config.version}")
+    vocab = target.vocab_size
+    draft_vocab = config.draft_vocab_size or vocab
+    if config.version == 3 and not 0 < draft_vocab <= vocab:
+        raise EagleTrainError(f"draft_vocab_size must be in 1..{vocab}, got {draft_vocab}")
+    shape = eagle.EagleConfig.for_target(target, config.version, draft_vocab_size=draft_vocab,
+                                         intermediate_size=config.shape.intermediate or None)
+    torch.manual_seed(config.seed)
+    net = eagle.EagleNet(shape)
+    coverage = 1.0
+    if config.version == 3:
+        used = draft_vocabulary(train, draft_vocab, vocab)
+        net.set_draft_vocab(used)
+        _, valid = train.batch(torch.arange(train.tokens.shape[0]))
+        coverage = float(net.t2d[train.tokens[valid]].float().mean())
+    frozen = FrozenTarget(target_dir)
+    objective = Objective(config, frozen, shape.hidden_layers())
+
+    run_config = {"kind": "eagle", "eagle": config_to_dict(config), "target": target.fingerprint()}
+    result = run_loop(model=net, config=config.optim, batch_fn=run.batch_fn(salt=21), loss_fn=objective.loss,
+                      tokens_in=lambda batch: int(batch[1].sum()), eval_fn=lambda m: objective.evaluate(m, held),
+                      ckpt_dir=run.ckpt_dir, run_config=run_config, resume=resume, max_minutes=max_minutes,
+                      desc=shape.name, log=log)
+    from specdec.train.target import round_to_export_dtype_
+
+    round_to_export_dtype_(net)
+    final = objective.evaluate(net, held)
+    useless = warn_if_useless(final, "tau_k4", log, shape.name)
+    summary = {
+        "kind": shape.name, "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
+        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
+        "train_sequences": int(train.tokens.shape[0]), "heldout_tokens": held.num_tokens,
+        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        "draft_vocab_coverage": round(coverage, 4),
+        "offline": {key: round(value, 4) for key, value in final.items()}, "low_acceptance_warning": useless,
+        "config": config_to_dict(config),
+    }
+    net.config = eagle.with_training(shape, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
+                                                                      "offline", "draft_vocab_coverage")})
+    eagle.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    return summary

@@ -1,0 +1,211 @@
+"""Train Medusa-1 heads on a frozen target (the objective; the loop is loop.py).
+
+Head i learns the target's own distribution i + 2 tokens ahead (soft cross-entropy to the target's
+next-token distribution at t + 1 + i, weighted 0.8^i), on the target's own continuations.
+
+After training, the default candidate tree is built from measured acceptance on held-out data, as
+Medusa builds its trees: each (head, rank) gets its held-out top-k accuracy, a path's value is the
+product along it, and the best paths are taken greedily (a child never beats its parent, so they
+form a tree). Among a few sizes, the one with the highest predicted tau per unit of verification
+cost (the target's measured forward time for that many tokens) becomes the folder's ``medusa_choices``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specdec.models import medusa
+from specdec.train import config as train_config
+from specdec.train.config import config_to_dict
+from specdec.train.features import FrozenTarget, anchor_mask, prepare_run, shifted, warn_if_useless
+from specdec.train.loop import OptimConfig, run_loop
+
+TOPK = 10
+TREE_SIZES = (4, 6, 8, 12, 16, 24)
+
+
+@dataclass(frozen=True)
+class MedusaShape:
+    heads: int = 4
+    layers: int = 1
+
+
+@dataclass(frozen=True)
+class MedusaTrainConfig:
+    shape: MedusaShape = field(default_factory=MedusaShape)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=600, lr=1e-3, warmup_steps=30,
+                                                                   eval_every=150, ckpt_every_steps=100))
+    batch_size: int = 8
+    train_sequences: int = 2048
+    heldout_sequences: int = 48
+    prefix_len: int = 64
+    generated_len: int = 192
+    generation_batch: int = 64
+    decay: float = 0.8
+    seed: int = 0
+
+
+PRESETS = {
+    "medusa": MedusaTrainConfig(),
+    "tiny": MedusaTrainConfig(shape=MedusaShape(heads=3), optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2,
+                                                                           eval_every=6, ckpt_every_steps=4),
+                              batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
+                              generation_batch=8),
+}
+
+
+def load_config(path: str | None, preset: str) -> MedusaTrainConfig:
+    return train_config.load_config(MedusaTrainConfig, PRESETS, path, preset, "Medusa training")
+
+
+def config_from_dict(values: dict[str, Any]) -> MedusaTrainConfig:
+    return train_config.config_from_dict(MedusaTrainConfig, values, "Medusa training")
+
+
+def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int) -> torch.Tensor:
+    """[A, heads]: the rank of the target's greedy token in each head's top-10 at every held-out anchor (-1: absent)."""
+    heads = net.config.medusa_num_heads
+    ranks = []
+    with torch.no_grad():
+        for start in range(0, held.tokens.shape[0], 8):
+            rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
+            tokens, valid = held.batch(rows)
+            features, logits = frozen.run(tokens, valid, (layer,))
+            length = tokens.shape[1]
+            top = net(features).topk(TOPK, dim=-1).indices  # [B, T, heads, 10]
+            truth = torch.stack([shifted(logits.argmax(-1), 1 + i, length, -1) for i in range(heads)], -1)
+            hit = top == truth[..., None]
+            rank = torch.where(hit.any(-1), hit.float().argmax(-1), -1)  # [B, T, heads]
+            # anchor t: the feature at t (the token before the pending one); t + 1 is generated
+            anchors = anchor_mask(valid, held.prompt_len, length, heads)
+            ranks.append(rank[anchors])
+    return torch.cat(ranks)
+
+
+def tree_tau(ranks: torch.Tensor, choices) -> float:
+    """Exact held-out tau of a static tree: 1 + the deepest path whose every rank matches."""
+    depth = torch.zeros(ranks.shape[0])
+    for path in choices:
+        ok = torch.ones(ranks.shape[0], dtype=torch.bool)
+        for head, rank in enumerate(path):
+            ok &= ranks[:, head] == rank
+        depth = torch.where(ok, torch.maximum(depth, torch.tensor(float(len(path)))), depth)
+    return 1.0 + float(depth.mean())
+
+
+def build_tree(ranks: torch.Tensor, size: int) -> list[tuple[int, ...]]:
+    """The ``size`` paths of highest product of per-(head, rank) held-out accuracy, in order of depth."""
+    heads = ranks.shape[1]
+    accuracy = torch.stack([(ranks == r).float().mean(0) for r in range(TOPK)], 1)  # [heads, 10]
+    chosen, frontier = [], [(-float(accuracy[0, r]), (r,)) for r in range(TOPK)]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < size:
+        value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < heads:
+            for r in range(TOPK):
+                heapq.heappush(frontier, (value * float(accuracy[len(path), r]), path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def choose_tree(ranks: torch.Tensor, cost: Callable[[int], float], log) -> tuple[list, dict]:
+    """The default tree: the size with the best predicted tau / cost; returns (choices, report)."""
+    report = {}
+    best = None
+    for size in TREE_SIZES:
+        tree = build_tree(ranks, size)
+        tau = tree_tau(ranks, tree)
+        speed = tau / cost(size + 1)
+        report[str(size)] = {"tau": round(tau, 4), "relative_speed": round(speed * cost(1), 4)}
+        if best is None or speed > best[0]:
+            best = (speed, tree, size)
+    log(f"[medusa] default tree: {best[2]} nodes; predicted tau by size: "
+        + ", ".join(f"{k}: {v['tau']:.2f}" for k, v in report.items()))
+    return best[1], report
+
+
+def target_cost(target_dir: Path) -> Callable[[int], float]:
+    """Seconds of one native forward pass of n tokens (what a tree of n - 1 nodes costs to verify)."""
+    from specdec.bench import forward_time
+    from specdec.target import load_target
+
+    backend = load_target(target_dir).backend
+    cache: dict[int, float] = {}
+
+    def cost(n: int) -> float:
+        if n not in cache:
+            cache[n] = forward_time(backend, n, 200, repeats=9)
+        return cache[n]
+    return cost
+
+
+def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
+                 resume: bool = False, max_minutes: float | None = None,
+                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from specdec.models.eagle import TargetRecord
+
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    run = prepare_run("medusa", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
+    config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
+    layer = target.num_layers
+    shape = medusa.MedusaConfig(config.shape.heads, config.shape.layers, int(target.config.hidden_size),
+                                target.vocab_size, target=TargetRecord.of(target))
+    torch.manual_seed(config.seed)
+    net = medusa.MedusaHeads(shape)
+    frozen = FrozenTarget(target_dir)
+    net.init_from_head(frozen.head)
+    heads = shape.medusa_num_heads
+
+    def loss_fn(model, batch):
+        tokens, valid = batch
+        features, logits = frozen.run(tokens, valid, (layer,))
+        length = tokens.shape[1]
+        out = model(features)  # [B, T, heads, V]
+        total = 0.0
+        for i in range(heads):
+            mask = shifted(valid, 1 + i, length, False).float()
+            probs = torch.softmax(shifted(logits, 1 + i, length), dim=-1)
+            ce = -(probs * torch.log_softmax(out[:, :, i], dim=-1)).sum(-1)
+            total = total + config.decay ** i * (ce * mask).sum() / mask.sum().clamp(min=1)
+        return total
+
+    def eval_fn(model):
+        model.eval()
+        ranks = head_ranks(model, frozen, held, layer)
+        chain = [tuple([0] * d) for d in range(1, heads + 1)]
+        metrics = {f"top1_head{i}": float((ranks[:, i] == 0).float().mean()) for i in range(heads)}
+        metrics["tau_chain"] = tree_tau(ranks, chain)
+        metrics["tau_tree16"] = tree_tau(ranks, build_tree(ranks, 16))
+        return metrics
+
+    run_config = {"kind": "medusa", "medusa": config_to_dict(config), "target": target.fingerprint()}
+    result = run_loop(model=net, config=config.optim, batch_fn=run.batch_fn(salt=31), loss_fn=loss_fn,
+                      tokens_in=lambda batch: int(batch[1].sum()), eval_fn=eval_fn, ckpt_dir=run.ckpt_dir,
+                      run_config=run_config, resume=resume, max_minutes=max_minutes, desc="medusa", log=log)
+    from specdec.train.target import round_to_export_dtype_
+
+    round_to_export_dtype_(net)
+    final = eval_fn(net)
+    ranks = head_ranks(net, frozen, held, layer)
+    choices, sizes = choose_tree(ranks, target_cost(target_dir), log)
+    tau = tree_tau(ranks, choices)
+    useless = warn_if_useless({"tau": tau}, "tau", log, "medusa")
+    summary = {
+        "kind": "medusa", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
+        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
+        "heldout_tokens": held.num_tokens, "heldout_anchors": int(ranks.shape[0]),
+        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        "offline": {**{k: round(v, 4) for k, v in final.items()}, "tau_default_tree": round(tau, 4)},
+        "tree_sizes": sizes, "default_tree_nodes": len(choices), "low_acceptance_warning": useless,
+        "config": config_to_dict(config),
+    }
+    net.config = medusa.with_training(shape, choices, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
+                                                                                "offline")})
+    medusa.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    return summary

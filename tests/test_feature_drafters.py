@@ -1,0 +1,300 @@
+"""Medusa, EAGLE-1 and EAGLE-3: drafters that read the target's features.
+
+Greedy output equals plain decoding token for token (chains, dynamic and static trees, several
+architectures, both backends, float32 and bfloat16, batch 1 and ragged batches with rows stopping
+at EOS and at the limit); sampling keeps the target's distribution; the kernel runtime computes
+what the PyTorch network computes; folders, layouts and refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import specdec
+from specdec import TreeConfig
+from specdec.decode import committed_features
+from specdec.drafters import Eagle, Medusa
+from specdec.errors import DrafterMismatchError, ModelLoadError, TargetMismatchWarning
+from specdec.models import eagle, medusa
+from specdec.sampling import SamplingConfig
+from specdec.tiny import save_tiny
+
+from test_exact_generation import native_two_token_distribution, plain, sampled_pairs
+from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
+from test_sampling import P_VALUE, chi_square_p
+
+ARCHS = ("llama", "qwen2", "qwen3")
+TREE = TreeConfig(depth=3, topk=2, num_nodes=6)
+
+
+def random_drafters(target, root, seed=0):
+    """A random EAGLE-1, EAGLE-3 (reduced draft vocabulary) and Medusa folder for ``target``."""
+    torch.manual_seed(seed)
+    dirs = {}
+    for version in (1, 3):
+        config = eagle.EagleConfig.for_target(target, version, draft_vocab_size=target.vocab_size // 2)
+        net = eagle.EagleNet(config)
+        if version == 3:
+            net.set_draft_vocab(torch.randperm(target.vocab_size)[: target.vocab_size // 2].sort().values)
+        dirs[config.name] = eagle.save(net, root / config.name)
+    record = eagle.TargetRecord.of(target)
+    heads = medusa.MedusaHeads(medusa.MedusaConfig(3, 1, int(target.config.hidden_size), target.vocab_size,
+                                                   ((0,), (1,), (0, 0), (0, 1), (0, 0, 0)), record))
+    heads.init_from_head(target.output_head().float())
+    with torch.no_grad():
+        for module in heads.heads:
+            module[0].linear.weight.normal_(0, 0.3)
+    dirs["medusa"] = medusa.save(heads, root / "medusa")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("feature-drafters")
+    out = {}
+    for arch in ARCHS:
+        target = specdec.load_target(model_dirs[arch], backend="native")
+        out[arch] = random_drafters(target, root / arch)
+    return out
+
+
+def all_drafters(dirs):
+    return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Medusa(dirs["medusa"])]
+
+
+def settings_for(drafter, supports_trees=True):
+    if isinstance(drafter, Medusa):
+        return [{}]
+    settings = [dict(num_draft_tokens=1), dict(num_draft_tokens=4)]
+    return settings + ([dict(tree=TREE)] if supports_trees else [])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_feature_drafters_match_transformers_greedy(arch, targets, hf_models, drafter_dirs, backend):
+    target, model = targets[arch], hf_models[arch]
+    prompts = target.encode(PROMPTS)
+    eos, reference = reference_with_stop(target, model, prompts)
+    assert any(r and r[-1] == eos for r in reference) and any(len(r) == MAX_NEW for r in reference)
+    for drafter in all_drafters(drafter_dirs[arch]):
+        if isinstance(drafter, Medusa) and not target.backend.supports_trees:
+            continue
+        for setting in settings_for(drafter, target.backend.supports_trees):
+            out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, **setting)
+            assert out.token_ids == reference, f"{drafter.name} {setting} batch"
+            alone = specdec.generate(target, [prompts[2]], drafter=drafter, max_new_tokens=MAX_NEW, **setting)
+            assert alone.token_ids == [reference[2]], f"{drafter.name} {setting} alone"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, drafter_dirs):
+    target = specdec.load_target(model_dirs[arch], dtype=torch.bfloat16, backend="native")
+    prompts = target.encode(PROMPTS)
+    target.eos_token_ids = ()
+    free = plain(target, prompts, 40)
+    target.eos_token_ids = ([t for row in free for t in row[3:] if any(t not in other for other in free)][0],)
+    reference = plain(target, prompts, 40)
+    assert any(r[-1] in target.eos_token_ids for r in reference) and any(len(r) == 40 for r in reference)
+    for drafter in all_drafters(drafter_dirs[arch]):
+        for setting in settings_for(drafter):
+            out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=40, **setting)
+            assert out.stats.exact_numerics and out.token_ids == reference, f"{drafter.name} {setting}"
+
+
+def test_trained_zoo_drafters_equal_plain_decoding():
+    """Where drafts are mostly accepted: accepted paths, their features and the rollback all matter."""
+    from specdec.zoo import ZooError, zoo_path
+    from specdec.zoo.tasks import load_tasks
+
+    try:
+        dirs = {name: zoo_path(name) for name in ("medusa", "eagle", "eagle3")}
+    except ZooError:
+        pytest.skip("the zoo has no trained feature drafters")
+    for dtype in (torch.float32, torch.bfloat16):
+        target = specdec.load_target(zoo_path("target"), dtype=dtype, backend="native")
+        prompts = target.encode(load_tasks("code-completion")[:4])
+        reference = plain(target, prompts, 48)
+        for drafter in all_drafters(dirs):
+            for setting in settings_for(drafter)[1:] or [{}]:
+                out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=48, **setting)
+                assert out.token_ids == reference, f"{drafter.name} {setting} {dtype}"
+                assert out.stats.mean_accepted_length > 1.5, f"{drafter.name} should accept drafts here"
+
+
+@pytest.mark.parametrize("kind,temperature,top_k,top_p", [
+    ("eagle3", 1.0, 6, None),
+    ("eagle", 1.2, 5, 0.95),
+    ("eagle3-tree", 1.0, 6, None),
+    ("medusa", 1.0, 6, None),
+])
+def test_sampling_keeps_the_targets_distribution(kind, temperature, top_k, top_p, model_dirs, drafter_dirs):
+    target = specdec.load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
+    target.eos_token_ids = ()
+    prompt = target.encode(["x = x + 1\nx = x"])[0]
+    config = SamplingConfig(temperature, top_k, top_p)
+    exact = native_two_token_distribution(target, prompt, config)
+    name = kind.removesuffix("-tree")
+    drafter = Medusa(drafter_dirs["llama"]["medusa"]) if name == "medusa" else Eagle(drafter_dirs["llama"][name])
+    tree = TreeConfig(depth=2, topk=3, num_nodes=6) if kind.endswith("-tree") else None
+    assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_runtime_computes_the_networks_rollout(version, dtype, model_dirs):
+    """The drafter's cache at inference: committed pairs, then a drafting step fed its own output,
+    equals the PyTorch rollout that training and the offline metric use."""
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    torch.manual_seed(1)
+    net = eagle.EagleNet(eagle.EagleConfig.for_target(target, version)).eval()
+    batch, length = 2, 9
+    tokens = torch.randint(0, target.vocab_size, (batch, length + 2))
+    features = torch.randn(batch, length, net.config.feature_size)
+    embed, head = target.input_embeddings().float(), target.output_head().float()
+    embeds = [torch.nn.functional.embedding(tokens[:, 1 + i: 1 + i + length], embed) for i in range(2)]
+    with torch.no_grad():
+        step0, step1 = net.rollout(embeds, features, 2)
+    runtime = eagle.EagleRuntime(net, embed, head if version == 1 else None, dtype)
+    cache = runtime.new_cache(batch, 64)
+    out = cache.run(tokens[:, 1:1 + length], features)
+    tolerance = 2e-5 if dtype == torch.float32 else 0.1
+    assert (out.float() - step0).abs().max() < tolerance * max(1.0, float(step0.abs().max()))
+    # one drafting step from the last anchor: token x_{t+2} with the drafter's own output at t
+    t = length - 2
+    cache.truncate(torch.full((batch,), t + 1))
+    nxt = cache.run(tokens[:, t + 2: t + 3], out[:, t: t + 1])
+    assert (nxt[:, 0].float() - step1[:, t]).abs().max() < tolerance * max(1.0, float(step1.abs().max()))
+    logits = runtime.logits(out).float()
+    assert (logits - net.logits(step0, head)).abs().max() < 10 * tolerance * max(1.0, float(logits.abs().max()))
+
+
+def test_committed_features_are_the_accepted_path_right_aligned():
+    hidden = torch.arange(2 * 5, dtype=torch.float32).view(2, 5, 1, 1)  # value = 5 * row + column
+    chain = committed_features(hidden, None, torch.tensor([3, 1]))
+    assert chain.valid.tolist() == [[True, True, True], [False, False, True]]
+    assert chain.states[0, :, 0, 0].tolist() == [0, 1, 2] and chain.states[1, -1, 0, 0] == 5
+    keep = torch.tensor([[True, False, True, False, True], [True, True, False, False, False]])
+    tree = committed_features(hidden, keep, torch.tensor([3, 2]))
+    assert tree.states[0, :, 0, 0].tolist() == [0, 2, 4]
+    assert tree.valid[1].tolist() == [False, True, True] and tree.states[1, 1:, 0, 0].tolist() == [5, 6]
+
+
+def test_layouts_serving_engines_load(drafter_dirs):
+    dirs = drafter_dirs["llama"]
+    config = json.loads((dirs["eagle3"] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] < config["vocab_size"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        i - 1 for i in config["specdec"]["hidden_states_read"]]
+    from safetensors.torch import load_file
+
+    weights = load_file(dirs["eagle3"] / "model.safetensors")
+    h, heads, kv, d = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    layers = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    expected = {"fc.weight": (h, layers * h), "norm.weight": (h,), "lm_head.weight": (config["draft_vocab_size"], h),
+                "d2t": (config["draft_vocab_size"],), "t2d": (config["vocab_size"],),
+                "midlayer.self_attn.q_proj.weight": (heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": (kv * d, 2 * h),
+                "midlayer.self_attn.v_proj.weight": (kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": (h, heads * d),
+                "midlayer.mlp.gate_proj.weight": (config["intermediate_size"], h),
+                "midlayer.mlp.up_proj.weight": (config["intermediate_size"], h),
+                "midlayer.mlp.down_proj.weight": (h, config["intermediate_size"]),
+                "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+                "midlayer.post_attention_layernorm.weight": (h,)}
+    assert {name: tuple(t.shape) for name, t in weights.items()} == expected
+    assert weights["t2d"].dtype == torch.bool and weights["d2t"].dtype == torch.int64
+    ids = torch.arange(config["draft_vocab_size"]) + weights["d2t"]  # offsets: target = draft + d2t[draft]
+    assert weights["t2d"][ids].all() and int(weights["t2d"].sum()) == config["draft_vocab_size"]
+
+    config1 = json.loads((dirs["eagle"] / "config.json").read_text())
+    assert config1["architectures"] == ["LlamaForCausalLMEagle"]
+    names1 = set(load_file(dirs["eagle"] / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight",
+            "layers.0.mlp.down_proj.weight"} <= names1
+    assert not any("input_layernorm" in n or "lm_head" in n or "embed" in n for n in names1)
+
+    mconfig = json.loads((dirs["medusa"] / "config.json").read_text())
+    assert mconfig["medusa_num_heads"] == 3 and mconfig["medusa_num_layers"] == 1
+    assert mconfig["medusa_choices"][0] == [0]
+    mweights = load_file(dirs["medusa"] / "medusa_lm_head.safetensors")
+    assert set(mweights) == {f"{i}.{n}" for i in range(3) for n in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert tuple(mweights["0.1.weight"].shape) == (mconfig["vocab_size"], mconfig["hidden_size"])
+    for name in ("eagle", "eagle3", "medusa"):
+        record = json.loads((dirs[name] / "config.json").read_text())["specdec"]["target"]
+        assert record["num_hidden_layers"] == 2 and len(record["fingerprint"]) == 16
+
+
+def test_wrong_method_and_wrong_target_are_refused(drafter_dirs, model_dirs, tmp_path, tokenizer):
+    dirs = drafter_dirs["llama"]
+    with pytest.raises(DrafterMismatchError, match="EAGLE-1 drafter, not EAGLE-3"):
+        Eagle(dirs["eagle"], version=3)
+    with pytest.raises(DrafterMismatchError, match="EAGLE-3 drafter, not EAGLE-1"):
+        Eagle(dirs["eagle3"], version=1)
+    with pytest.raises(DrafterMismatchError, match="Medusa drafter, not an EAGLE"):
+        Eagle(dirs["medusa"])
+    with pytest.raises(DrafterMismatchError, match="EAGLE-3 drafter, not a Medusa"):
+        Medusa(dirs["eagle3"])
+    # shapes that do not fit: a target of another hidden size, or of fewer layers
+    other = specdec.load_target(save_tiny(tmp_path / "wide", "llama", tokenizer, hidden=96), backend="native")
+    with pytest.raises(DrafterMismatchError, match="hidden size"):
+        specdec.generate(other, [[5, 6, 7]], drafter=Eagle(dirs["eagle3"]), max_new_tokens=4)
+    shallow = specdec.load_target(model_dirs["llama-draft"], backend="native")
+    for drafter in all_drafters(dirs):
+        with pytest.raises(DrafterMismatchError):
+            specdec.generate(shallow, [[5, 6, 7]], drafter=drafter, max_new_tokens=4)
+    # the same shapes, other weights: runs, with one warning
+    twin = specdec.load_target(save_tiny(tmp_path / "twin", "llama", tokenizer, seed=5, init_std=0.15),
+                               backend="native")
+    drafter = Eagle(dirs["eagle3"])
+    with pytest.warns(TargetMismatchWarning, match="another target of the same shapes"):
+        specdec.generate(twin, [[5, 6, 7]], drafter=drafter, max_new_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        specdec.generate(twin, [[5, 6, 7]], drafter=drafter, max_new_tokens=4)  # said once
+
+
+def test_bad_drafter_folders_are_one_line_errors(drafter_dirs, tmp_path, capsys, model_dirs):
+    import shutil
+
+    from specdec.cli import main
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Eagle(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        Medusa(tmp_path / "empty")
+    broken = tmp_path / "broken"
+    shutil.copytree(drafter_dirs["llama"]["eagle3"], broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="malformed"):
+        Eagle(broken)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(drafter_dirs["llama"]["eagle3"], truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cannot read weights"):
+        Eagle(truncated)
+    for folder, name in ((truncated, "eagle3"), (drafter_dirs["llama"]["eagle"], "EAGLE3"),
+                         (drafter_dirs["llama"]["medusa"], "eagle")):
+        code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", name, "--draft", str(folder),
+                     "--prompt", "x = 1", "--max-new-tokens", "4"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("specdec: error:"), err
+
+
+def test_registry_names_and_cli(model_dirs, drafter_dirs, capsys):
+    from specdec.cli import main
+    from specdec.drafters.registry import REGISTRY, resolve
+
+    assert resolve("EAGLE3") == "eagle3" and resolve("EAGLE") == "eagle" and resolve("MEDUSA") == "medusa"
+    assert resolve("STANDALONE") == "draft-model" and resolve("ngram") == "prompt-lookup"
+    assert {"medusa", "eagle", "eagle3"} <= set(REGISTRY)
+    code = main(["generate", "--target", str(model_dirs["llama"]), "--speculative-algorithm", "EAGLE3",
+                 "--draft", str(drafter_dirs["llama"]["eagle3"]), "--prompt", "x = 1", "--max-new-tokens", "6",
+                 "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["stats"]["drafter"] == "eagle3" and len(result["outputs"][0]["token_ids"]) == 6
+    code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", "eagle3", "--prompt", "x"])
+    assert code == 2 and "needs --draft" in capsys.readouterr().err
