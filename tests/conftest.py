@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import hf
-from specdec.target import load_target
-from specdec.tiny import ARCHITECTURES, build_tokenizer, save_tiny
+from specdec.backends import hf
+from specdec.backends.target import load_target
+from specdec.commands.tiny import ARCHITECTURES, build_tokenizer, save_tiny
 
 torch.set_num_threads(1)
 

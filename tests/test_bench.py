@@ -1,6 +1,6 @@
 """The bench runs every method, interleaved, and checks the outputs agree."""
 
-from specdec.bench import format_table, run_bench
+from specdec.commands.bench import format_table, run_bench
 from specdec.drafters import DraftModel
 
 
@@ -30,7 +30,7 @@ def test_bench_compares_specdec_and_transformers(targets, model_dirs):
 
 
 def test_outputs_are_checked_against_plain_decoding_of_their_own_implementation():
-    from specdec.bench import PLAIN, Method, compare_outputs
+    from specdec.commands.bench import PLAIN, Method, compare_outputs
 
     def method(impl, family, tag=""):
         return Method(family, impl, 4 if family != PLAIN else None, 1, None, tag=tag)
@@ -47,7 +47,7 @@ def test_outputs_are_checked_against_plain_decoding_of_their_own_implementation(
 def test_half_precision_bench_fails_only_on_speculation_errors(model_dirs):
     import torch
 
-    from specdec.target import load_target
+    from specdec.backends.target import load_target
 
     target = load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
     target.eos_token_ids = ()

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from specdec.cli import main
-from specdec.tiny import build_tokenizer, save_tiny
+from specdec.commands.cli import main
+from specdec.commands.tiny import build_tokenizer, save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_missing_prompts_file_and_unknown_drafter(capsys, model_dirs, tmp_path):
 
 
 def test_installed_command_prints_no_traceback(model_dirs):
-    result = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", str(model_dirs["llama"]),
+    result = subprocess.run([sys.executable, "-m", "specdec.commands.cli", "generate", "--target", str(model_dirs["llama"]),
                              "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["specdec: error: top_p must be in (0, 1], got 2.0"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import specdec
-from specdec import hf
-from specdec.cli import main
+from specdec.backends import hf
+from specdec.commands.cli import main
 from specdec.drafters import DraftModel, PromptLookup
 from specdec.zoo import zoo_path
 from specdec.zoo.tasks import load_tasks

@@ -7,7 +7,7 @@ import pytest
 import specdec
 from specdec.drafters import DraftModel
 from specdec.errors import InvalidArgumentError
-from specdec.target import load_target
+from specdec.backends.target import load_target
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])

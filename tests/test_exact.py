@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.models import kernels
-from specdec.native import NativeBackend
-from specdec.tiny import save_tiny
+from specdec.backends.native import NativeBackend
+from specdec.commands.tiny import save_tiny
 from specdec.verify import ancestor_mask
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdec.exactness import first_difference, main
+from specdec.commands.exactness import first_difference, main
 
 
 def test_first_difference():
@@ -30,8 +30,8 @@ def test_exactness_on_the_zoo_finds_no_difference(tmp_path, capsys):
 
 
 def test_a_difference_gives_exit_status_1(tmp_path, monkeypatch, capsys):
-    import specdec.exactness
+    import specdec.commands.exactness
 
-    monkeypatch.setattr(specdec.exactness, "first_difference", lambda reference, tokens: 0)
+    monkeypatch.setattr(specdec.commands.exactness, "first_difference", lambda reference, tokens: 0)
     code = main(["--prompts", "1", "--max-new-tokens", "2", "--backend", "native", "--no-progress"])
     assert code == 1 and "OUTPUTS DIFFER in 9 of 9 runs" in capsys.readouterr().out

@@ -21,7 +21,7 @@ from specdec.drafters import Eagle, Medusa
 from specdec.errors import DrafterMismatchError, ModelLoadError, TargetMismatchWarning
 from specdec.models import eagle, medusa
 from specdec.sampling import SamplingConfig
-from specdec.tiny import save_tiny
+from specdec.commands.tiny import save_tiny
 
 from test_exact_generation import native_two_token_distribution, plain, sampled_pairs
 from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
@@ -258,7 +258,7 @@ def test_wrong_method_and_wrong_target_are_refused(drafter_dirs, model_dirs, tmp
 def test_bad_drafter_folders_are_one_line_errors(drafter_dirs, tmp_path, capsys, model_dirs):
     import shutil
 
-    from specdec.cli import main
+    from specdec.commands.cli import main
 
     with pytest.raises(ModelLoadError, match="does not exist"):
         Eagle(tmp_path / "missing")
@@ -285,7 +285,7 @@ def test_bad_drafter_folders_are_one_line_errors(drafter_dirs, tmp_path, capsys,
 
 
 def test_registry_names_and_cli(model_dirs, drafter_dirs, capsys):
-    from specdec.cli import main
+    from specdec.commands.cli import main
     from specdec.drafters.registry import REGISTRY, resolve
 
     assert resolve("EAGLE3") == "eagle3" and resolve("EAGLE") == "eagle" and resolve("MEDUSA") == "medusa"

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import UnsupportedModelError
-from specdec.gguf import CONTROL, export, interleave_rope_rows, main
+from specdec.commands.gguf import CONTROL, export, interleave_rope_rows, main
 from specdec.models import llama
 
 gguf = pytest.importorskip("gguf")
@@ -214,5 +214,5 @@ def test_command_line(model_dirs, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out and (tmp_path / "cli.gguf").is_file()
     assert main([str(model_dirs["gpt2"]), str(tmp_path / "no.gguf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("specdec.gguf: error:") and "gpt2" in err[0]
+    assert len(err) == 1 and err[0].startswith("specdec.commands.gguf: error:") and "gpt2" in err[0]
     assert not (tmp_path / "no.gguf").exists()

@@ -7,7 +7,7 @@ import torch
 
 import specdec
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
-from specdec.tiny import ARCHITECTURES
+from specdec.commands.tiny import ARCHITECTURES
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",

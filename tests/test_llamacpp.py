@@ -10,8 +10,8 @@ import pytest
 from specdec.decode import GenerationConfig, generate_ids
 from specdec.drafters import NoDraft
 from specdec.errors import SpecdecError
-from specdec.llamacpp import MISSING, compare, first_difference, format_comparison, llama_cpp_plain
-from specdec.target import load_target
+from specdec.commands.llamacpp import MISSING, compare, first_difference, format_comparison, llama_cpp_plain
+from specdec.backends.target import load_target
 
 
 def test_first_difference():
@@ -31,7 +31,7 @@ def test_missing_llama_cpp_is_one_clear_error(monkeypatch, tmp_path):
 def tiny_gguf(model_dirs, tmp_path_factory):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
-    from specdec.gguf import export
+    from specdec.commands.gguf import export
 
     return export(model_dirs["llama"], tmp_path_factory.mktemp("llamacpp") / "llama.gguf")
 

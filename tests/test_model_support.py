@@ -12,11 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import specdec
-from specdec import hf
+from specdec.backends import hf
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
 from specdec.errors import UnsupportedModelError
-from specdec.target import Target, load_target
-from specdec.tiny import build_model
+from specdec.backends.target import Target, load_target
+from specdec.commands.tiny import build_model
 
 TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "import torch",
          "class Cache:\n    def __init__(self, size):\n        self.size = size\n"]

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from specdec.errors import UnsupportedModelError
-from specdec.native import NativeBackend
-from specdec.tiny import save_tiny
+from specdec.backends.native import NativeBackend
+from specdec.commands.tiny import save_tiny
 
 ATOL = 5e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,7 +1,7 @@
 """Every causal-LM type transformers knows, built tiny: specdec matches greedy generate or refuses in one line.
 
 One sweep over the whole registry (about a minute and a half on one CPU thread) feeds every test here;
-``python -m specdec.sweep`` prints the same table. Failures list the offending types with their reasons.
+``python -m specdec.commands.sweep`` prints the same table. Failures list the offending types with their reasons.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from specdec import sweep
+from specdec.commands import sweep
 
 # On transformers 5.24, 91 of 196 types passed before the model-support fixes and 141 after them
 # (commit a471328); the margin allows some types to move from "pass" to "refused".
@@ -99,7 +99,7 @@ def test_the_variability_check_is_live(results):
 
 
 def test_tiny_configs_keep_their_layer_patterns():
-    from specdec.tiny import build_tokenizer
+    from specdec.commands.tiny import build_tokenizer
     tokenizer = build_tokenizer()
 
     def tiny(model_type):

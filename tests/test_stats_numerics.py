@@ -9,7 +9,7 @@ import torch
 import specdec
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
 from specdec.errors import NumericsWarning
-from specdec.target import load_target
+from specdec.backends.target import load_target
 
 
 def numerics_warnings(run) -> list[str]:

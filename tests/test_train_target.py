@@ -96,7 +96,7 @@ def test_config_file_overrides_and_rejects_unknown_keys(tmp_path):
 
 
 def test_cli_reports_user_errors_in_one_line(capsys, tmp_path):
-    from specdec.train.commands import main
+    from specdec.commands.train import main
 
     assert main(["train", "target", "--out", str(tmp_path / "x"), "--resume", "--steps", "5"]) == 2
     err = capsys.readouterr().err.strip()

@@ -8,7 +8,7 @@ import specdec
 from specdec import TreeConfig
 from specdec.drafters import DraftModel, PromptLookup
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
-from specdec.tiny import ARCHITECTURES
+from specdec.commands.tiny import ARCHITECTURES
 from test_greedy_parity import MAX_NEW, PROMPTS, hf_greedy, reference_with_stop
 
 TREES = [TreeConfig(depth=3, topk=2, num_nodes=6), TreeConfig(depth=5, topk=4, num_nodes=16)]

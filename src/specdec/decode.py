@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Sequences
-from .drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
-from .drafters.none import NoDraft
-from .errors import ContextLengthError, InvalidArgumentError, NumericsWarning, UnsupportedModelError
-from .processors import GenerationProcessors
-from .sampling import SamplingConfig, probabilities, sample
-from .stats import Stats
-from .target import Target
-from .verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+from specdec.batch import Sequences
+from specdec.drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
+from specdec.drafters.none import NoDraft
+from specdec.errors import ContextLengthError, InvalidArgumentError, NumericsWarning, UnsupportedModelError
+from specdec.processors import GenerationProcessors
+from specdec.sampling import SamplingConfig, probabilities, sample
+from specdec.stats import Stats
+from specdec.backends.target import Target
+from specdec.verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 SCHEDULES = ("constant", "heuristic")
 

@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from . import hf
-from .batch import Sequences
+from specdec.backends import hf
+from specdec.batch import Sequences
 
 
 class GenerationProcessors:

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import PromptFileError
+from specdec.errors import PromptFileError
 
 PROMPT_KEYS = ("prompt", "text")
 ID_KEYS = ("prompt_ids", "input_ids")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)

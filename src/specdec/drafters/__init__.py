@@ -1,11 +1,11 @@
 """Drafters: every method that proposes tokens, behind one protocol (base.py), listed in registry.py."""
 
-from .base import DecodeContext, Drafter, DraftSession, FeatureSpec, Proposal, TargetFeatures
-from .draft_model import DraftModel
-from .eagle import Eagle
-from .medusa import Medusa
-from .none import NoDraft
-from .prompt_lookup import PromptLookup
+from specdec.drafters.base import DecodeContext, Drafter, DraftSession, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.eagle import Eagle
+from specdec.drafters.medusa import Medusa
+from specdec.drafters.none import NoDraft
+from specdec.drafters.prompt_lookup import PromptLookup
 
 __all__ = ["DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "FeatureSpec", "Medusa", "NoDraft",
            "PromptLookup", "Proposal", "TargetFeatures"]

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
-from ..batch import Sequences
-from ..errors import InvalidArgumentError
-from ..sampling import SamplingConfig
+from specdec.batch import Sequences
+from specdec.errors import InvalidArgumentError
+from specdec.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Proposal:
         if self.parents is None:
             return torch.arange(1, self.k + 1, device=self.tokens.device).expand(self.tokens.shape[0], -1)
         if self.node_depths is None:  # computed once (the loop asks several times per step)
-            from ..verify.tree import depths
+            from specdec.verify.tree import depths
             object.__setattr__(self, "node_depths", depths(self.parents, self.lengths))
         return self.node_depths
 
@@ -104,7 +104,7 @@ class TreeConfig:
 class DecodeContext:
     """What a drafter may read about the generation it joins."""
 
-    target: object                 # specdec.target.Target
+    target: object                 # specdec.backends.target.Target
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_new_tokens: int

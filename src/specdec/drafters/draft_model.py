@@ -11,13 +11,13 @@ import os
 
 import torch
 
-from .. import hf
-from ..batch import Sequences
-from ..errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
-from ..sampling import probabilities, sample
-from .base import DecodeContext, Proposal
-from .tree import dynamic_tree
-from ..target import Target, load_backend
+from specdec.backends import hf
+from specdec.batch import Sequences
+from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
+from specdec.sampling import probabilities, sample
+from specdec.drafters.base import DecodeContext, Proposal
+from specdec.drafters.tree import dynamic_tree
+from specdec.backends.target import Target, load_backend
 
 
 class DraftModel:

@@ -15,12 +15,12 @@ import warnings
 
 import torch
 
-from ..batch import Sequences
-from ..errors import DrafterMismatchError, TargetMismatchWarning, UnsupportedModelError
-from ..models import eagle, kernels
-from ..sampling import probabilities, sample
-from .base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
-from .tree import dynamic_tree
+from specdec.batch import Sequences
+from specdec.errors import DrafterMismatchError, TargetMismatchWarning, UnsupportedModelError
+from specdec.models import eagle, kernels
+from specdec.sampling import probabilities, sample
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.tree import dynamic_tree
 
 
 class Eagle:

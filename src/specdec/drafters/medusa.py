@@ -12,12 +12,12 @@ import os
 
 import torch
 
-from ..batch import Sequences
-from ..errors import InvalidArgumentError, UnsupportedModelError
-from ..models import kernels, medusa
-from .base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
-from .eagle import Eagle
-from .tree import static_tree
+from specdec.batch import Sequences
+from specdec.errors import InvalidArgumentError, UnsupportedModelError
+from specdec.models import kernels, medusa
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.eagle import Eagle
+from specdec.drafters.tree import static_tree
 
 
 class Medusa:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import Sequences
-from .base import DecodeContext, Proposal, StatelessSession
+from specdec.batch import Sequences
+from specdec.drafters.base import DecodeContext, Proposal, StatelessSession
 
 
 class NoDraft:

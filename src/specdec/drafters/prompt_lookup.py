@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import Sequences
-from ..errors import InvalidArgumentError
-from .base import DecodeContext, Proposal, StatelessSession, TreeConfig
+from specdec.batch import Sequences
+from specdec.errors import InvalidArgumentError
+from specdec.drafters.base import DecodeContext, Proposal, StatelessSession, TreeConfig
 
 
 def continuation(tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -28,30 +28,30 @@ class DrafterEntry:
 
 
 def _none(folder, options):
-    from .none import NoDraft
+    from specdec.drafters.none import NoDraft
     return NoDraft()
 
 
 def _draft_model(folder, options):
-    from ..target import parse_dtype
-    from .draft_model import DraftModel
+    from specdec.backends.target import parse_dtype
+    from specdec.drafters.draft_model import DraftModel
     return DraftModel(folder, dtype=parse_dtype(getattr(options, "dtype", "float32")),
                       backend=getattr(options, "backend", None) or "auto")
 
 
 def _prompt_lookup(folder, options):
-    from .prompt_lookup import PromptLookup
+    from specdec.drafters.prompt_lookup import PromptLookup
     return PromptLookup(max_ngram=getattr(options, "max_ngram", 3), min_ngram=getattr(options, "min_ngram", 1))
 
 
 def _medusa(folder, options):
-    from .medusa import Medusa
+    from specdec.drafters.medusa import Medusa
     return Medusa(folder, choices=getattr(options, "medusa_choices", None))
 
 
 def _eagle(version):
     def build(folder, options):
-        from .eagle import Eagle
+        from specdec.drafters.eagle import Eagle
         return Eagle(folder, version=version)
     return build
 

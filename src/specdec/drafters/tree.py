@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .base import Proposal, TreeConfig
+from specdec.drafters.base import Proposal, TreeConfig
 
 # expand(frontier tokens [B, K], parent slot [B, K] into the previous frontier (None at depth 1: the root),
 #        sees [B, K, fed] which of the fed nodes (then themselves) each sees, depth) -> log-scores [B, K, S]

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import DrafterMismatchError, ModelLoadError
-from ..native import NativeCache
-from . import kernels, llama
-from .files import check_weights
-from .layers import MLP, Attention, RMSNorm, causal_mask
+from specdec.errors import DrafterMismatchError, ModelLoadError
+from specdec.backends.native import NativeCache
+from specdec.models import kernels, llama
+from specdec.models.files import check_weights
+from specdec.models.layers import MLP, Attention, RMSNorm, causal_mask
 
 EAGLE1_ARCH = "LlamaForCausalLMEagle"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -300,7 +300,7 @@ class EagleNet(nn.Module):
 def save(net: EagleNet, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
          extra: dict[str, str] | None = None) -> Path:
     """Write config.json, model.safetensors (and ``extra`` text files) to ``out_dir``, atomically."""
-    from .files import save_folder
+    from specdec.models.files import save_folder
 
     return save_folder(out_dir, net.config.to_json(), WEIGHTS, net.state_dict(), dtype, extra)
 

@@ -45,7 +45,7 @@ def save_folder(out_dir, config: dict, weights_file: str, tensors: dict, dtype, 
 
 def check_weights(weights: dict, expected: dict, file) -> None:
     """Every expected tensor present with the shape the config implies; one-line ModelLoadError otherwise."""
-    from ..errors import ModelLoadError
+    from specdec.errors import ModelLoadError
 
     missing = [name for name in expected if name not in weights]
     if missing:

@@ -44,6 +44,8 @@ static inline v8 v_set1(float a) { return _mm256_set1_ps(a); }
 static inline v8 v_load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void v_store(float* p, v8 a) { _mm256_storeu_ps(p, a); }
 static inline v8 v_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v8 v_mul(v8 a, v8 b) { return _mm256_mul_ps(a, b); }
+static inline v8 v_add(v8 a, v8 b) { return _mm256_add_ps(a, b); }
 static inline v8 v_load_bf16(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -56,6 +58,8 @@ static inline v8 v_set1(float a) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a;
 static inline v8 v_load(const float* p) { v8 r; memcpy(r.l, p, 32); return r; }
 static inline void v_store(float* p, v8 a) { memcpy(p, a.l, 32); }
 static inline v8 v_fma(v8 a, v8 b, v8 c) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = fmaf(a.l[i], b.l[i], c.l[i]); return r; }
+static inline v8 v_mul(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] * b.l[i]; return r; }
+static inline v8 v_add(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] + b.l[i]; return r; }
 static inline v8 v_load_bf16(const uint16_t* p) {
     v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.l[i], &u, 4); } return r;
 }
@@ -171,6 +175,21 @@ static tile_fn pick_tile(int R, int P, int dtype) {
     return dtype == BF16 ? pick_bf16(R, P) : dtype == F16 ? pick_f16(R, P) : pick_f32(R, P);
 }
 
+/* Eight consecutive elements of a tensor in its dtype, as float32 lanes, and back (rounded once). */
+static inline v8 load8(const void* p, long at, int dtype) {
+    if (dtype == F32) return v_load((const float*)p + at);
+    if (dtype == BF16) return v_load_bf16((const uint16_t*)p + at);
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = load1(p, at + i, dtype);
+    return v_load(f);
+}
+static inline void store8(void* p, long at, v8 v, int dtype) {
+    if (dtype == F32) { v_store((float*)p + at, v); return; }
+    float f[8];
+    v_store(f, v);
+    for (int i = 0; i < 8; i++) store1(p, at + i, f[i], dtype);
+}
+
 static void linear_panels(long M, long K, const void* wp, long N, const void* bias, const void* residual, long ldr,
                           void* y, long ldy, int dtype, const float* xf, const float* scale, long p0, long p1) {
     float acc[6 * 6 * NR];
@@ -187,7 +206,18 @@ static void linear_panels(long M, long K, const void* wp, long N, const void* bi
                 pick_tile(R, P, dtype)(xf + m * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
                 for (int r = 0; r < R; r++) {
                     long row = m + r;
-                    for (int c = 0; c < P * NR; c++) {
+                    int c = 0;
+                    /* Whole groups of 8 columns in vectors: the same IEEE operations in the same order as
+                       the scalar tail below, so an element's bits do not depend on which path stored it. */
+                    for (; c + 8 <= P * NR && q * NR + c + 8 <= N; c += 8) {
+                        long col = q * NR + c;
+                        v8 v = v_load(acc + r * 6 * NR + c);
+                        if (scale) v = v_mul(v, v_set1(scale[row]));
+                        if (bias) v = v_add(v, load8(bias, col, dtype));
+                        if (residual) v = v_add(v, load8(residual, row * ldr + col, dtype));
+                        store8(y, row * ldy + col, v, dtype);
+                    }
+                    for (; c < P * NR; c++) {
                         long col = q * NR + c;
                         if (col >= N) break;
                         float v = acc[r * 6 * NR + c];

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from ..cache import FULL, Window
-from ..errors import ModelLoadError, UnsupportedModelError
-from . import kernels
-from .kernels import Matrix
+from specdec.backends.cache import FULL, Window
+from specdec.errors import ModelLoadError, UnsupportedModelError
+from specdec.models import kernels
+from specdec.models.kernels import Matrix
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")

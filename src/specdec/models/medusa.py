@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import DrafterMismatchError, ModelLoadError
-from . import kernels, llama
-from .eagle import TargetRecord, method_of, read_config_json
-from .files import check_weights, save_folder
+from specdec.errors import DrafterMismatchError, ModelLoadError
+from specdec.models import kernels, llama
+from specdec.models.eagle import TargetRecord, method_of, read_config_json
+from specdec.models.files import check_weights, save_folder
 
 WEIGHTS = "medusa_lm_head.safetensors"
 

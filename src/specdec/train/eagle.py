@@ -24,7 +24,7 @@ from specdec.errors import SpecdecError
 from specdec.models import eagle
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import (FrozenTarget, acceptance_summary, anchor_mask, leading_matches, prepare_run,
+from specdec.train.features import (DataRecipe, TINY_DATA, FrozenTarget, acceptance_summary, anchor_mask, leading_matches, prepare_run,
                                     shifted, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
@@ -41,17 +41,11 @@ class EagleShape:
 
 
 @dataclass(frozen=True)
-class EagleTrainConfig:
+class EagleTrainConfig(DataRecipe):
     version: int = 3
     shape: EagleShape = field(default_factory=EagleShape)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=1200, lr=2e-3, warmup_steps=50,
                                                                    eval_every=200, ckpt_every_steps=100))
-    batch_size: int = 8
-    train_sequences: int = 2048
-    heldout_sequences: int = 48
-    prefix_len: int = 64
-    generated_len: int = 192
-    generation_batch: int = 64
     ttt_steps: int = 5             # EAGLE-3 rollout depth in training (EAGLE-1: 1)
     eval_depth: int = 6            # drafts per anchor in the offline metric
     draft_vocab_size: int = 2048   # EAGLE-3; 0 = the whole target vocabulary
@@ -59,7 +53,6 @@ class EagleTrainConfig:
     v_weight: float = 1.0
     p_weight: float = 0.1
     ttt_decay: float = eagle.TTT_DECAY
-    seed: int = 0
 
 
 PRESETS: dict[str, EagleTrainConfig] = {
@@ -67,8 +60,7 @@ PRESETS: dict[str, EagleTrainConfig] = {
     "eagle": EagleTrainConfig(version=1, ttt_steps=1, optim=OptimConfig(steps=1200, lr=2e-3, warmup_steps=50,
                                                                        eval_every=200, ckpt_every_steps=100)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
-                             batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
-                             generation_batch=8, ttt_steps=3, eval_depth=3, draft_vocab_size=0),
+                             ttt_steps=3, eval_depth=3, draft_vocab_size=0, **TINY_DATA),
 }
 
 

@@ -29,6 +29,23 @@ LOW_TAU = 1.3  # a predicted tau below this after training means the drafter is 
 
 
 @dataclass(frozen=True)
+class DataRecipe:
+    """The data fields every drafter trainer's config shares (mixed into its frozen dataclass)."""
+
+    batch_size: int = 8
+    train_sequences: int = 2048
+    heldout_sequences: int = 48
+    prefix_len: int = 64
+    generated_len: int = 192
+    generation_batch: int = 64
+    seed: int = 0
+
+
+TINY_DATA = dict(batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
+                 generation_batch=8)
+
+
+@dataclass(frozen=True)
 class Sequences:
     tokens: torch.Tensor   # [N, T] long, padded with the pad id after ``lengths``
     lengths: torch.Tensor  # [N] tokens per sequence
@@ -52,7 +69,7 @@ def continuations(target_dir: Path, prefixes: torch.Tensor, new_tokens: int, tem
     from specdec.decode import GenerationConfig, generate_ids
     from specdec.drafters import NoDraft
     from specdec.sampling import SamplingConfig
-    from specdec.target import load_target
+    from specdec.backends.target import load_target
 
     target = load_target(target_dir)
     rows, lengths = [], []
@@ -199,7 +216,7 @@ def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Pa
 
     from tqdm import tqdm
 
-    from specdec.target import load_target
+    from specdec.backends.target import load_target
     from specdec.train.loop import load_latest_checkpoint
 
     log = log or (lambda message: tqdm.write(message))

@@ -23,7 +23,7 @@ import torch
 from specdec.models import medusa
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import FrozenTarget, anchor_mask, prepare_run, shifted, warn_if_useless
+from specdec.train.features import TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, prepare_run, shifted, warn_if_useless
 from specdec.train.loop import OptimConfig, run_loop
 
 TOPK = 10
@@ -37,26 +37,18 @@ class MedusaShape:
 
 
 @dataclass(frozen=True)
-class MedusaTrainConfig:
+class MedusaTrainConfig(DataRecipe):
     shape: MedusaShape = field(default_factory=MedusaShape)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=600, lr=1e-3, warmup_steps=30,
                                                                    eval_every=150, ckpt_every_steps=100))
-    batch_size: int = 8
-    train_sequences: int = 2048
-    heldout_sequences: int = 48
-    prefix_len: int = 64
-    generated_len: int = 192
-    generation_batch: int = 64
     decay: float = 0.8
-    seed: int = 0
 
 
 PRESETS = {
     "medusa": MedusaTrainConfig(),
     "tiny": MedusaTrainConfig(shape=MedusaShape(heads=3), optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2,
                                                                            eval_every=6, ckpt_every_steps=4),
-                              batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
-                              generation_batch=8),
+                              **TINY_DATA),
 }
 
 
@@ -132,8 +124,8 @@ def choose_tree(ranks: torch.Tensor, cost: Callable[[int], float], log) -> tuple
 
 def target_cost(target_dir: Path) -> Callable[[int], float]:
     """Seconds of one native forward pass of n tokens (what a tree of n - 1 nodes costs to verify)."""
-    from specdec.bench import forward_time
-    from specdec.target import load_target
+    from specdec.backends.costs import forward_time
+    from specdec.backends.target import load_target
 
     backend = load_target(target_dir).backend
     cache: dict[int, float] = {}

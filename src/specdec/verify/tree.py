@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError
 
 
 # Tree utilities -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """argparse wiring for ``specdec train ...`` and ``specdec zoo ...``.
 
-``add_commands(subparsers)`` is called by ``specdec.cli``; ``main`` lets the
-same commands run as ``python -m specdec.train.commands`` before or without it.
+``add_commands(subparsers)`` is called by ``specdec.commands.cli``; ``main`` lets the
+same commands run as ``python -m specdec.commands.train`` before or without it.
 """
 
 from __future__ import annotations
@@ -103,11 +103,12 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_zoo_build(args) -> int:
-    from specdec.zoo import build
+    from specdec.commands import zoo as build
 
     _set_threads(args.threads)
     summary = build.build_zoo(
         args.out, work_dir=args.work_dir, target_minutes=args.target_minutes, distill_minutes=args.distill_minutes,
+        drafter_minutes=args.drafter_minutes,
         preset=args.preset, resume=args.resume,
     )
     print(json.dumps(summary))
@@ -160,11 +161,13 @@ def add_commands(subparsers) -> None:
 
     zoo = subparsers.add_parser("zoo", help="build the model zoo")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
-    p = zoo_sub.add_parser("build", help="rebuild tokenizer, target, draft and task sets from scratch")
+    p = zoo_sub.add_parser("build", help="rebuild tokenizer, target, draft, Medusa/EAGLE drafters and task sets")
     p.add_argument("--out", type=Path, default=None, help="zoo folder (default: the package's zoo/data)")
     p.add_argument("--work-dir", type=Path, default=Path("runs/zoo-build"), help="checkpoints and logs (default runs/zoo-build)")
     p.add_argument("--target-minutes", type=float, default=None, help="wall-time cap for target training")
     p.add_argument("--distill-minutes", type=float, default=None, help="wall-time cap for distillation")
+    p.add_argument("--drafter-minutes", type=float, default=None,
+                   help="wall-time cap for each of Medusa, EAGLE-1 and EAGLE-3 training")
     p.add_argument("--preset", default="zoo", help="zoo (default) or tiny (a quick smoke build)")
     p.add_argument("--resume", action="store_true", help="resume interrupted training stages from the work dir")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -182,7 +185,7 @@ def add_commands(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: ``python -m specdec.train.commands train target ...``."""
+    """Standalone entry point: ``python -m specdec.commands.train train target ...``."""
     parser = argparse.ArgumentParser(prog="specdec")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -1,11 +1,11 @@
 """Export a Llama-family model directory (HF layout) to a GGUF file that llama.cpp runs.
 
-Why specdec has its own exporter: the comparison with llama.cpp (``specdec.llamacpp``) must run
+Why specdec has its own exporter: the comparison with llama.cpp (``specdec.commands.llamacpp``) must run
 the same weights and the same tokenizer, and llama.cpp's converter refuses byte-level BPE
 tokenizers whose pre-tokenizer it does not recognise by hash (the zoo's among them). Here the
 tokenizer is written as what it is, a GPT-2-style byte-level BPE with GPT-2's split regex.
 
-    python -m specdec.gguf MODEL_DIR OUT.gguf [--dtype f32|f16]
+    python -m specdec.commands.gguf MODEL_DIR OUT.gguf [--dtype f32|f16]
 
 Covers the native backend's families: llama and mistral (llama.cpp's "llama" architecture),
 qwen2 and qwen3. What changes on the way, besides names:
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InvalidArgumentError, ModelLoadError, SpecdecError, UnsupportedModelError
+from specdec.errors import InvalidArgumentError, ModelLoadError, SpecdecError, UnsupportedModelError
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF -> GGUF
 DTYPES = ("f32", "f16")
@@ -151,7 +151,7 @@ def interleave_rope_rows(w: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
 
 def _check(config, path: Path) -> str:
     """The GGUF architecture for ``config``, or UnsupportedModelError naming what is supported."""
-    from .models import llama
+    from specdec.models import llama
 
     supported = ("model_type llama, mistral, qwen2 or qwen3 with a silu MLP, default/linear/llama3 RoPE, "
                  "full attention and safetensors weights")
@@ -175,7 +175,7 @@ def _check(config, path: Path) -> str:
 
 def gguf_tensors(path: Path, config, arch: str) -> dict[str, torch.Tensor]:
     """llama.cpp's tensor names -> tensors (float32, HF's [out, in] orientation)."""
-    from .models import llama
+    from specdec.models import llama
 
     weights = {name: value.float() for name, value in llama.read_weights(path).items()}
     heads = config.num_attention_heads
@@ -231,7 +231,7 @@ def gguf_tensors(path: Path, config, arch: str) -> dict[str, torch.Tensor]:
 
 def export(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str = "f32") -> Path:
     """Write ``model_dir`` as a GGUF file at ``out_path`` (atomically); returns the path."""
-    from .models import llama
+    from specdec.models import llama
 
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"unknown GGUF dtype {dtype!r}; choose from {', '.join(DTYPES)}")
@@ -300,9 +300,9 @@ def export(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .clitools import ArgumentParser
+    from specdec.commands.clitools import ArgumentParser
 
-    parser = ArgumentParser(prog="python -m specdec.gguf",
+    parser = ArgumentParser(prog="python -m specdec.commands.gguf",
                             description="Export a Llama-family model directory (HF layout) to GGUF for llama.cpp.")
     parser.add_argument("model_dir", metavar="MODEL_DIR")
     parser.add_argument("out", metavar="OUT.gguf")
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.model_dir, args.out, args.dtype)
     except SpecdecError as exc:
-        print(f"specdec.gguf: error: {exc}", file=sys.stderr)
+        print(f"specdec.commands.gguf: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({out.stat().st_size / 2 ** 20:.1f} MiB)")
     return 0

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cache import FULL, RaggedCache, Window
-from .errors import InvalidArgumentError
-from .models import llama
+from specdec.backends.cache import FULL, RaggedCache, Window
+from specdec.errors import InvalidArgumentError
+from specdec.models import llama
 
 DEFAULT_CAPACITY = 256
 

@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
-from .cache import FULL, RaggedCache, Window
-from .errors import CacheRollbackError, ModelLoadError, UnsupportedModelError
+from specdec.backends.cache import FULL, RaggedCache, Window
+from specdec.errors import CacheRollbackError, ModelLoadError, UnsupportedModelError
 
 # Tried in this order; the first that loads runs (stats report which).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -2,10 +2,10 @@
 
 llama.cpp is what a CPU user would run instead of specdec, so it is the practical bar. This module
 runs it through llama-cpp-python (optional: ``pip install llama-cpp-python``; nothing else in
-specdec needs it) on a GGUF file that ``specdec.gguf`` exports from the same model directory, and
+specdec needs it) on a GGUF file that ``specdec.commands.gguf`` exports from the same model directory, and
 measures it interleaved, prompt by prompt, with specdec's plain decoding and its speculative methods:
 
-    python -m specdec.llamacpp --target DIR [--draft DIR] --tasks code-completion \\
+    python -m specdec.commands.llamacpp --target DIR [--draft DIR] --tasks code-completion \\
         --num-prompts 10 --max-new-tokens 64 [-k 4] [--threads 1] [--repeats 3] \\
         [--kv-cache f32 f16] [--gguf FILE] [--json OUT]
 
@@ -17,7 +17,7 @@ different summation orders pick different ones (random-weight models have such n
 
 llama.cpp keeps its KV cache in f32 here, as specdec does; ``--kv-cache f32 f16`` adds a row for
 llama.cpp's own default, f16. The random Llama of issue 7 and its 1-layer draft:
-``python -c "from specdec.llamacpp import save_random_llama; save_random_llama('/tmp/m26')"``.
+``python -c "from specdec.commands.llamacpp import save_random_llama; save_random_llama('/tmp/m26')"``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from .errors import InvalidArgumentError, SpecdecError
+from specdec.errors import InvalidArgumentError, SpecdecError
 
 MISSING = "llama.cpp comparison needs llama-cpp-python (pip install llama-cpp-python)"
 
@@ -147,7 +147,7 @@ def save_random_llama(directory: str | os.PathLike, layers: int = 8, hidden: int
 
     The defaults are issue 7's model: 8 layers x 512, intermediate 1536, 8 heads, 4 key/value
     heads, vocab 4096, untied head (29.4M parameters), seed 0. The draft keeps the target's first
-    layer, embedding, final norm and head, as ``specdec.tiny.save_bench_pair`` does. Random weights
+    layer, embedding, final norm and head, as ``specdec.commands.tiny.save_bench_pair`` does. Random weights
     say nothing about acceptance; the model only makes forward passes cost what a bigger one does.
     """
     import shutil
@@ -155,8 +155,8 @@ def save_random_llama(directory: str | os.PathLike, layers: int = 8, hidden: int
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .hf import quiet
-    from .zoo import data_dir
+    from specdec.backends.hf import quiet
+    from specdec.zoo import data_dir
 
     directory = Path(directory)
     zoo = data_dir() / "target"
@@ -199,11 +199,11 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     """
     import torch
 
-    from .decode import GenerationConfig, generate_ids
-    from .drafters import DraftModel, NoDraft, PromptLookup
-    from .gguf import export
-    from .target import load_target
-    from .zoo.tasks import load_tasks
+    from specdec.decode import GenerationConfig, generate_ids
+    from specdec.drafters import DraftModel, NoDraft, PromptLookup
+    from specdec.commands.gguf import export
+    from specdec.backends.target import load_target
+    from specdec.zoo.tasks import load_tasks
 
     if min(num_prompts, max_new_tokens, k, threads, repeats) < 1:
         raise InvalidArgumentError("num_prompts, max_new_tokens, k, threads and repeats must be >= 1")
@@ -308,9 +308,9 @@ def format_comparison(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .clitools import ArgumentParser, check_output_path, write_atomic
+    from specdec.commands.clitools import ArgumentParser, check_output_path, write_atomic
 
-    parser = ArgumentParser(prog="python -m specdec.llamacpp",
+    parser = ArgumentParser(prog="python -m specdec.commands.llamacpp",
                             description="Compare specdec with llama.cpp's plain greedy decoding on the same weights.")
     parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (HF layout)")
     parser.add_argument("--draft", metavar="DIR", help="draft model directory (adds draft-model decoding)")
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     except SpecdecError as exc:
-        print(f"specdec.llamacpp: error: {exc}", file=sys.stderr)
+        print(f"specdec.commands.llamacpp: error: {exc}", file=sys.stderr)
         return 2
     print(format_comparison(result))
     return 0

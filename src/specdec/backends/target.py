@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import hf
-from .errors import InvalidArgumentError, SpecdecError, UnsupportedModelError
+from specdec.backends import hf
+from specdec.errors import InvalidArgumentError, SpecdecError, UnsupportedModelError
 
 
 BACKENDS = ("auto", "native", "hf")
@@ -172,12 +172,12 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     hf.check_model_dir(path)
     if backend != "hf":
-        from .native import NativeBackend
+        from specdec.backends.native import NativeBackend
         reason = NativeBackend.supports(path) or NativeBackend.supports_run(dtype, device)
         if reason is None:
             return NativeBackend.load(path, dtype=dtype, device=device), None
         if backend == "native":
-            from .models.llama import SUPPORTED
+            from specdec.models.llama import SUPPORTED
             raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     model = hf.load_causal_lm(path, dtype=dtype, device=device)
     return hf.HFBackend.for_model(model), model

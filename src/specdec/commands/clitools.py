@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line."""
@@ -20,7 +20,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def drafter_name(value: str) -> str:
-    from .drafters.registry import argument_type
+    from specdec.drafters.registry import argument_type
     return argument_type(value)
 
 
@@ -44,6 +44,23 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
     parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
     parser.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram tried (default 1)")
+    parser.add_argument("--medusa-choices", type=tree_paths, default=None, metavar="JSON",
+                        help="Medusa: the candidate tree as index paths, e.g. '[[0], [0, 0], [1]]' "
+                             "(default: the folder's medusa_choices, chosen from held-out acceptance)")
+
+
+def tree_paths(text: str) -> list[list[int]]:
+    """argparse type: a JSON list of index paths."""
+    import json
+
+    try:
+        paths = json.loads(text)
+        if not paths or not all(isinstance(p, list) and p and all(isinstance(i, int) and i >= 0 for i in p)
+                                for p in paths):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tree is a JSON list of index paths like [[0], [0, 0], [1]], got {text!r}")
+    return paths
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +77,7 @@ def make_drafter(name: str, args, backend: str | None = None, folder=None):
     """The drafter named on the command line (the registry's name or an alias), loaded."""
     import copy
 
-    from .drafters.registry import build
+    from specdec.drafters.registry import build
 
     options = copy.copy(args)
     if backend is not None:

@@ -18,7 +18,7 @@ Each type ends in one class:
 * ``unbuildable``: no tiny model could be built, or transformers itself cannot generate from it,
   or its greedy outputs are too uniform to prove anything.
 
-Run ``python -m specdec.sweep [--types a b c] [--json OUT]``.
+Run ``python -m specdec.commands.sweep [--types a b c] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from pathlib import Path
 
 import torch
 
-from . import drafters as drafter_classes
-from . import hf
-from .errors import SpecdecError
-from .hf import quiet
-from .target import load_target
+from specdec import drafters as drafter_classes
+from specdec.backends import hf
+from specdec.errors import SpecdecError
+from specdec.backends.hf import quiet
+from specdec.backends.target import load_target
 
 CLASSES = ("pass", "refused", "mismatch", "crash", "unbuildable")
 
-# The prompts: short Python, about 8, 23 and 36 tokens with specdec.tiny's tokenizer.
+# The prompts: short Python, about 8, 23 and 36 tokens with specdec.commands.tiny's tokenizer.
 PROMPTS = ("import os\n",
            "def add(a, b):\n    return a + b\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n")
@@ -583,7 +583,7 @@ def check_type(model_type: str, tokenizer=None, prompts: list[list[int]] | None 
     """
     import specdec
 
-    from .tiny import build_tokenizer
+    from specdec.commands.tiny import build_tokenizer
 
     tokenizer = tokenizer or build_tokenizer()
     if prompts is None:
@@ -753,7 +753,7 @@ def _run_cases(specdec, drafters, target, model, prompts, expected, result, max_
 def sweep(types: list[str] | None = None, progress=print, time_limit_s: float | None = TYPE_TIME_LIMIT,
           thorough: bool = False) -> list[dict]:
     """Check every type (default: the whole causal-LM registry) on one torch thread; one record per type."""
-    from .tiny import build_tokenizer
+    from specdec.commands.tiny import build_tokenizer
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -803,7 +803,7 @@ def summary(results: list[dict], seconds: float | None = None, width: int = 160)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec.commands.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", nargs="+", help="model types to check (default: every causal-LM type)")
     parser.add_argument("--json", type=Path, help="write the per-type results to this file")
     parser.add_argument("--time-limit", type=float, default=TYPE_TIME_LIMIT, help="seconds per type")

@@ -6,7 +6,7 @@ change the shapes (and so the reduction order) of the target's matrix products; 
 that can flip a near-tie. This tool measures how often it happens on real prompts, so a change to a
 forward pass can be judged by its before and after counts, not by a single parity test.
 
-    python -m specdec.exactness [--target DIR] [--draft DIR] [--dtype float32|bfloat16]
+    python -m specdec.commands.exactness [--target DIR] [--draft DIR] [--dtype float32|bfloat16]
         [--backend auto|native|hf] [--prompts N] [--max-new-tokens N] [--task code-completion] [--json OUT]
 
 The reference is plain decoding (drafter none) of each prompt alone. Every configuration (plain in
@@ -21,7 +21,7 @@ import json
 import sys
 from tqdm import tqdm
 
-from .errors import InvalidArgumentError, SpecdecError
+from specdec.errors import InvalidArgumentError, SpecdecError
 
 K = 4
 TREE = dict(depth=4, topk=2, num_nodes=8)
@@ -38,8 +38,8 @@ def first_difference(reference: list[int], tokens: list[int]) -> int | None:
 
 def configurations(draft) -> list[tuple[str, object, object]]:
     """(name, drafter, tree or None) of every speculative method measured; plain comes first."""
-    from . import TreeConfig
-    from .drafters import NoDraft, PromptLookup
+    from specdec import TreeConfig
+    from specdec.drafters import NoDraft, PromptLookup
 
     tree = TreeConfig(**TREE)
     tag = f"tree={tree.depth}/{tree.topk}/{tree.num_nodes}"
@@ -107,9 +107,9 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .clitools import BACKENDS, ArgumentParser, check_output_path, write_atomic
+    from specdec.commands.clitools import BACKENDS, ArgumentParser, check_output_path, write_atomic
 
-    parser = ArgumentParser(prog="python -m specdec.exactness", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m specdec.commands.exactness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", metavar="DIR", help="target model directory (default: the zoo's target)")
     parser.add_argument("--draft", metavar="DIR", help="draft model directory (default: the zoo's draft with the "
                                                        "zoo's target, else no draft-model runs)")
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         import specdec
-        from .target import parse_dtype
-        from .zoo import zoo_path
-        from .zoo.tasks import load_tasks
+        from specdec.backends.target import parse_dtype
+        from specdec.zoo import zoo_path
+        from specdec.zoo.tasks import load_tasks
 
         check_output_path(args.json)
         if args.prompts < 1 or args.max_new_tokens < 1:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = target.encode(load_tasks(args.task)[: args.prompts])
         result = measure(target, prompts, draft, args.max_new_tokens, progress=not args.no_progress)
     except SpecdecError as exc:
-        print(f"specdec.exactness: error: {exc}", file=sys.stderr)
+        print(f"specdec.commands.exactness: error: {exc}", file=sys.stderr)
         return 2
     result["settings"] = dict(target=str(target_dir), draft=str(draft_dir) if draft_dir else None, dtype=args.dtype,
                               backend=args.backend, backend_ran=target.backend.description,

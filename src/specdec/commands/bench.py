@@ -9,7 +9,6 @@ take turns on each prompt (in rotating order), so drifts in machine speed hit al
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,12 +17,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from . import hf
-from .decode import GenerationConfig, generate_ids
-from .drafters import DraftModel, NoDraft, PromptLookup
-from .drafters.base import TreeConfig
-from .errors import InvalidArgumentError
-from .target import Target
+from specdec.backends import hf
+from specdec.decode import GenerationConfig, generate_ids
+from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.backends.costs import forward_time
+from specdec.drafters.base import TreeConfig
+from specdec.errors import InvalidArgumentError
+from specdec.backends.target import Target
 
 PLAIN, DRAFT_MODEL, PROMPT_LOOKUP = "plain", "draft-model", "prompt-lookup"
 
@@ -64,6 +64,8 @@ class Method:
     feature_seconds: float = 0.0  # specdec: handing the target's features to the drafter
     steps: int = 0               # specdec: batched verification steps
     note: str = ""               # what the label adds (a drafter's own static tree)
+    accepted_at: list = field(default_factory=list)  # specdec: row-steps accepting >= j+1 drafts (depths, trees)
+    proposed_at: list = field(default_factory=list)  # specdec: row-steps proposing >= j+1 drafts
     outputs: list = field(default_factory=list)
 
     @property
@@ -191,7 +193,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
 
 def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str) -> list:
     """The methods of an engine's trained drafters, as the registry says each drafts."""
-    from .drafters.registry import REGISTRY
+    from specdec.drafters.registry import REGISTRY
 
     methods = []
     for name, drafter in engine.drafters:
@@ -263,6 +265,11 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.decode_seconds += info.total_time - info.prefill_time
                 method.decode_tokens += info.new_tokens - len(outputs)  # the first token comes from prefill
                 method.feature_seconds += info.feature_time
+                for name in ("accepted_at", "proposed_at"):
+                    totals, counts = getattr(method, name), getattr(info, name)
+                    totals.extend([0] * (len(counts) - len(totals)))
+                    for j, count in enumerate(counts):
+                        totals[j] += count
                 method.steps += info.target_forwards - 1
             else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
@@ -318,25 +325,6 @@ def feature_cost(backend, layers: tuple[int, ...], n: int, context: int) -> dict
     """What returning a drafter's target features costs a verification pass of n tokens (ms)."""
     plain, carried = forward_time(backend, n, context), forward_time(backend, n, context, hidden_layers=layers)
     return {"tokens": n, "hidden_layers": list(layers), "verify_ms": 1e3 * plain, "with_features_ms": 1e3 * carried}
-
-
-def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers: tuple[int, ...] = ()) -> float:
-    """Median seconds of one forward pass of n new tokens at batch 1 after ``context`` cached tokens."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = backend.vocab_size
-    cache = backend.new_cache(1, context + n + 8)
-    device = backend.device
-    cache.forward(torch.randint(vocab, (1, context), generator=generator).to(device),
-                  torch.ones(1, context, dtype=torch.bool, device=device))
-    block = torch.randint(vocab, (1, n), generator=generator).to(device)
-    everyone = torch.ones(1, n, dtype=torch.bool, device=device)
-    times = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        cache.forward(block, everyone, logits_to_keep=n, hidden_layers=hidden_layers)
-        times.append(time.perf_counter() - start)
-        cache.truncate(cache.lengths - n)
-    return statistics.median(times[3:])
 
 
 def model_costs(engine: Engine, sizes, context: int) -> dict:
@@ -404,6 +392,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "model_time_bound": bound,
             "efficiency": m.decode_tokens / m.decode_seconds / bound if bound and m.decode_seconds else None,
             "feature_ms_per_step": 1e3 * m.feature_seconds / m.steps if m.steps and m.feature_seconds else None,
+            "acceptance_by_position": [a / p if p else None for a, p in zip(m.accepted_at, m.proposed_at)] or None,
         })
     forward_costs = None
     if costs:
@@ -461,7 +450,7 @@ def format_table(result: dict) -> str:
 
 
 def add_bench_command(commands) -> None:
-    from .clitools import add_model_arguments
+    from specdec.commands.clitools import add_model_arguments
 
     bench = commands.add_parser("bench", help="compare plain, draft-model and prompt-lookup decoding, "
                                               "specdec against transformers, in one run")
@@ -489,20 +478,20 @@ def add_bench_command(commands) -> None:
 
 
 def load_bench_prompts(args) -> list:
-    from .prompts import read_prompts
+    from specdec.prompts import read_prompts
 
     if args.prompts:
         return read_prompts(args.prompts)
     try:
-        from .zoo.tasks import load_tasks
+        from specdec.zoo.tasks import load_tasks
     except ImportError:
         raise InvalidArgumentError("task sets need the zoo, which is not installed") from None
     return load_tasks(args.tasks)
 
 
 def run_bench_command(args) -> int:
-    from .clitools import check_output_path, make_drafter, write_atomic
-    from .target import load_target
+    from specdec.commands.clitools import check_output_path, make_drafter, write_atomic
+    from specdec.backends.target import load_target
 
     check_output_path(args.output)
 
@@ -542,7 +531,7 @@ def run_bench_command(args) -> int:
 
 def parse_drafter(text: str) -> tuple[str, str]:
     """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the zoo's eagle3 folder."""
-    from .drafters.registry import REGISTRY, resolve
+    from specdec.drafters.registry import REGISTRY, resolve
 
     name, _, folder = text.partition("=")
     name = resolve(name)
@@ -550,7 +539,7 @@ def parse_drafter(text: str) -> tuple[str, str]:
     if not entry.folder or name == "draft-model":
         raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3), got {name!r}")
     if not folder:
-        from .zoo import zoo_path
+        from specdec.zoo import zoo_path
         folder = str(zoo_path(entry.zoo))
     return name, folder
 

@@ -1,4 +1,5 @@
-"""``specdec zoo build``: corpus -> tokenizer -> target -> distilled draft -> task sets.
+"""``specdec zoo build``: corpus -> tokenizer -> target -> distilled draft -> Medusa, EAGLE-1 and
+EAGLE-3 drafters for the target -> task sets.
 
 Every stage is deterministic given the interpreter's stdlib and the seeds in the
 presets. Checkpoints live in a work dir (not in the zoo), so an interrupted
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdec.train import distill, target
+from specdec.train import distill, eagle, medusa, target
 from specdec.train.loop import list_checkpoints
 from specdec.zoo import corpus, data_dir, tasks
 from specdec.zoo import tokenizer as zoo_tokenizer
@@ -25,6 +26,7 @@ def build_zoo(
     work_dir: Path = Path("runs/zoo-build"),
     target_minutes: float | None = None,
     distill_minutes: float | None = None,
+    drafter_minutes: float | None = None,
     preset: str = "zoo",
     resume: bool = False,
 ) -> dict[str, Any]:
@@ -32,8 +34,9 @@ def build_zoo(
     out = Path(out) if out is not None else data_dir()
     work_dir = Path(work_dir)
     target_ckpt, draft_ckpt = work_dir / "target-checkpoints", work_dir / "draft-checkpoints"
+    drafter_ckpts = {name: work_dir / f"{name}-checkpoints" for name in ("medusa", "eagle", "eagle3")}
     if not resume:
-        for folder in (target_ckpt, draft_ckpt):
+        for folder in (target_ckpt, draft_ckpt, *drafter_ckpts.values()):
             shutil.rmtree(folder, ignore_errors=True)
     started = time.monotonic()
     timings: dict[str, float] = {}
@@ -57,6 +60,21 @@ def build_zoo(
     )
     timings["distill_minutes"] = (time.monotonic() - stage) / 60
 
+    offline = {}
+    for name, ckpt in drafter_ckpts.items():  # the drafters that read the target's features
+        stage = time.monotonic()
+        module, train = (medusa, medusa.train_medusa) if name == "medusa" else (eagle, eagle.train_eagle)
+        drafter_preset = name if preset == "zoo" else preset
+        config = module.load_config(None, drafter_preset)
+        if module is eagle:
+            from dataclasses import replace
+
+            config = replace(config, version=3 if name == "eagle3" else 1)
+        summary = train(config, out / "target", out / name, ckpt_dir=ckpt, resume=resume and bool(list_checkpoints(ckpt)),
+                        max_minutes=drafter_minutes)
+        offline[name] = summary["offline"]
+        timings[f"{name}_minutes"] = (time.monotonic() - stage) / 60
+
     counts = tasks.write_task_sets(out / "tasks", tokenizer_dir)
     timings["total_minutes"] = (time.monotonic() - started) / 60
     return {
@@ -66,5 +84,6 @@ def build_zoo(
         "target_parameters": target_summary["parameters"],
         "draft_parameters": draft_summary["parameters"],
         "tasks": counts,
+        "drafters_offline": offline,
         **{k: round(v, 2) for k, v in timings.items()},
     }

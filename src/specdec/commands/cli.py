@@ -13,9 +13,9 @@ import json
 import sys
 import warnings
 
-from .clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
+from specdec.commands.clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
                        check_output_path, make_drafter, write_atomic)
-from .errors import InvalidArgumentError, SpecdecError, SpecdecWarning
+from specdec.errors import InvalidArgumentError, SpecdecError, SpecdecWarning
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     gen.set_defaults(func=run_generate)
 
-    from .bench import add_bench_command
+    from specdec.commands.bench import add_bench_command
     add_bench_command(commands)
-    from .demo import add_demo_command
+    from specdec.commands.demo import add_demo_command
     add_demo_command(commands)
     try:
-        from .train.commands import add_commands as add_train_commands
+        from specdec.commands.train import add_commands as add_train_commands
     except ImportError:
         add_train_commands = None
     if add_train_commands is not None:
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def tree_config(args):
     """The TreeConfig the tree flags ask for (SGLang's names included), or None for chains."""
-    from .drafters.base import TreeConfig
+    from specdec.drafters.base import TreeConfig
 
     nodes = args.tree_nodes
     if nodes is None and args.sglang_draft_tokens is not None:
@@ -77,10 +77,10 @@ def tree_config(args):
 
 
 def run_generate(args) -> int:
-    from .decode import GenerationConfig, generate_ids
-    from .prompts import read_prompts
-    from .sampling import SamplingConfig
-    from .target import load_target
+    from specdec.decode import GenerationConfig, generate_ids
+    from specdec.prompts import read_prompts
+    from specdec.sampling import SamplingConfig
+    from specdec.backends.target import load_target
 
     # Validate everything cheap before loading any model.
     config = GenerationConfig(num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens,
@@ -91,7 +91,7 @@ def run_generate(args) -> int:
     if args.prompt is not None and not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
-    from .drafters.registry import REGISTRY
+    from specdec.drafters.registry import REGISTRY
     if REGISTRY[args.drafter].folder and not args.draft:
         entry = REGISTRY[args.drafter]
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR"

@@ -19,7 +19,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from .hf import quiet
+from specdec.backends.hf import quiet
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -111,7 +111,7 @@ def save_bench_pair(directory: str | Path, layers: int = 12, hidden: int = 512, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m specdec.tiny",
+    parser = argparse.ArgumentParser(prog="python -m specdec.commands.tiny",
                                      description="write OUT/target (random Llama) and OUT/draft (its first layer)")
     parser.add_argument("out")
     parser.add_argument("--layers", type=int, default=12)

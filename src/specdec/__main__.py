@@ -1,0 +1,7 @@
+"""``python -m specdec``: the command line."""
+
+import sys
+
+from specdec.commands.cli import main
+
+sys.exit(main())
