@@ -102,6 +102,49 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_train_evaluate(args) -> int:
+    """``specdec train evaluate``: the offline predicted-tau metric of a trained drafter folder."""
+    from specdec.models.eagle import method_of, read_config_json
+    from specdec.train import eagle, medusa
+
+    _set_threads(args.threads)
+    method = method_of(read_config_json(args.drafter))
+    cache = args.cache_dir or Path(args.drafter) / "checkpoints"
+    if "Medusa" in method:
+        metrics = medusa.evaluate_drafter(args.drafter, args.target, cache, args.heldout)
+    elif "EAGLE" in method:
+        metrics = eagle.evaluate_drafter(args.drafter, args.target, cache, args.heldout, args.depth)
+    else:
+        raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa and EAGLE folders")
+    metrics = {k: round(v, 4) for k, v in metrics.items()}
+    if args.record:
+        record_offline(Path(args.drafter), metrics)
+    print(json.dumps(metrics))
+    return 0
+
+
+def record_offline(folder: Path, metrics: dict) -> None:
+    """Store a held-out evaluation in the folder's config.json (specdec.training.offline) and
+    training_summary.json, each file replaced atomically."""
+    import os
+    import tempfile
+
+    for name, place in (("config.json", ("specdec", "training")), ("training_summary.json", ())):
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        node = data
+        for key in place:
+            node = node.setdefault(key, {})
+        node["offline"] = metrics
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(data, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+
+
 def cmd_zoo_build(args) -> int:
     from specdec.commands import zoo as build
 
@@ -158,6 +201,18 @@ def add_commands(subparsers) -> None:
         _common_run_options(p)
         p.add_argument("--target", required=True, type=Path, help="exported target model folder")
         p.set_defaults(func=cmd_train_drafter)
+
+    p = train_sub.add_parser("evaluate", help="the offline predicted tau of a trained Medusa or EAGLE folder")
+    p.add_argument("--drafter", required=True, type=Path, help="the drafter folder")
+    p.add_argument("--target", required=True, type=Path, help="the target it drafts for")
+    p.add_argument("--heldout", type=int, default=48, help="held-out prompts (default 48)")
+    p.add_argument("--depth", type=int, default=8, help="EAGLE: drafts per anchor (default 8)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where the held-out continuations are cached "
+                                                                  "(default DRAFTER/checkpoints)")
+    p.add_argument("--record", action="store_true", help="store the result in the folder (config.json and "
+                                                         "training_summary.json, key offline)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_train_evaluate)
 
     zoo = subparsers.add_parser("zoo", help="build the model zoo")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)

@@ -123,7 +123,7 @@ class Objective:
         """Offline acceptance on held-out greedy continuations, drafting as at inference."""
         net.eval()
         depth = self.config.eval_depth
-        accepted = []
+        accepted, walks = [], []
         for start in range(0, held.tokens.shape[0], 8):
             rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
             tokens, valid = held.batch(rows)
@@ -133,9 +133,11 @@ class Objective:
             ids = net.draft_ids()
             drafts = torch.stack([ids[net.logits(out, self.frozen.head).argmax(-1)] for out in outputs], -1)
             truth = torch.stack([shifted(logits.argmax(-1), 1 + i, pairs, -1) for i in range(depth)], -1)
-            anchors = anchor_mask(valid, held.prompt_len, pairs, depth)
-            accepted.append(leading_matches(drafts == truth)[anchors])
-        return acceptance_summary(torch.cat(accepted), depth)
+            anchors = anchor_mask(valid, held.prompt_len[rows], pairs, depth)
+            counts = leading_matches(drafts == truth)  # [b, N]
+            accepted.append(counts[anchors])
+            walks += [(counts[i], int(held.prompt_len[row]) - 1, int(held.lengths[row])) for i, row in enumerate(rows)]
+        return acceptance_summary(torch.cat(accepted), depth, walks)
 
 
 def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
@@ -187,3 +189,18 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
                                                                       "offline", "draft_vocab_coverage")})
     eagle.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
     return summary
+
+
+def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
+                     depth: int = 8, log: Callable[[str], None] = print) -> dict[str, float]:
+    """The offline metric of a saved EAGLE folder on the held-out prompts (greedy continuations cached
+    in ``cache_dir``)."""
+    from specdec.backends.target import load_target
+    from specdec.train.features import heldout_data
+
+    net = eagle.load_net(path)
+    target = load_target(target_dir)
+    held = heldout_data(Path(target_dir), target.fingerprint(), cache_dir, heldout_sequences, 16, 0, log)
+    config = EagleTrainConfig(version=net.config.version, eval_depth=depth)
+    objective = Objective(config, FrozenTarget(target_dir), net.config.hidden_layers())
+    return objective.evaluate(net, held)

@@ -2,9 +2,10 @@
 
 * Data: the target's own continuations of train-split prompts, generated with specdec itself in
   batches (half greedy, half sampled at temperature 1), cached on disk under a key naming the
-  target's weights and the recipe. Held-out sequences are greedy continuations of validation-split
-  prompts: there the target's greedy choice at every generated position is the next token, which is
-  what the offline metric needs.
+  target's weights and the recipe. Held-out sequences are greedy continuations (128 tokens, as the
+  benchmark generates) of code-completion prompts built from the validation split the way the
+  benchmark's task set is built from the test split: there the target's greedy choice at every
+  generated position is the next token, which is what the offline metric needs.
 * Features are computed on the fly by the frozen target (transformers, float32) for each batch;
   nothing but token ids is stored.
 * The offline metric: drafting as at inference (the drafter's own outputs fed back) from every
@@ -49,7 +50,7 @@ TINY_DATA = dict(batch_size=2, train_sequences=8, heldout_sequences=4, prefix_le
 class Sequences:
     tokens: torch.Tensor   # [N, T] long, padded with the pad id after ``lengths``
     lengths: torch.Tensor  # [N] tokens per sequence
-    prompt_len: int        # generated tokens start here
+    prompt_len: torch.Tensor  # [N] generated tokens start here
 
     def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [b, T], valid [b, T]) of rows."""
@@ -62,10 +63,10 @@ class Sequences:
         return int(self.lengths.sum())
 
 
-def continuations(target_dir: Path, prefixes: torch.Tensor, new_tokens: int, temperatures: list[float],
+def continuations(target_dir: Path, prefixes: list[list[int]], new_tokens: int, temperatures: list[float],
                   batch_size: int, seed: int, log: Callable[[str], None]) -> Sequences:
-    """Continue each prefix [N, P] by ``new_tokens`` of the target (specdec's own decoding, native backend
-    where it runs), chunk c at temperature ``temperatures[c % len]``."""
+    """Continue each prefix (token ids) by ``new_tokens`` of the target (specdec's own decoding, native
+    backend where it runs), chunk c at temperature ``temperatures[c % len]``."""
     from specdec.decode import GenerationConfig, generate_ids
     from specdec.drafters import NoDraft
     from specdec.sampling import SamplingConfig
@@ -73,10 +74,10 @@ def continuations(target_dir: Path, prefixes: torch.Tensor, new_tokens: int, tem
 
     target = load_target(target_dir)
     rows, lengths = [], []
-    total = prefixes.shape[0]
-    width = prefixes.shape[1] + new_tokens
+    total = len(prefixes)
+    width = max(len(p) for p in prefixes) + new_tokens
     for chunk, start in enumerate(range(0, total, batch_size)):
-        prompts = prefixes[start: start + batch_size].tolist()
+        prompts = prefixes[start: start + batch_size]
         temperature = temperatures[chunk % len(temperatures)]
         config = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature),
                                   seed=seed * 1000 + chunk)
@@ -87,14 +88,15 @@ def continuations(target_dir: Path, prefixes: torch.Tensor, new_tokens: int, tem
             rows.append(row + [target.pad_token_id] * (width - len(row)))
         log(f"[data] generated {min(start + batch_size, total)}/{total} continuations")
     return Sequences(torch.tensor(rows, dtype=torch.long), torch.tensor(lengths, dtype=torch.long),
-                     prefixes.shape[1])
+                     torch.tensor([len(p) for p in prefixes], dtype=torch.long))
 
 
 def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
     """``make()`` once, stored atomically at ``path``."""
     if path.is_file():
         state = torch.load(path, map_location="cpu")
-        return Sequences(state["tokens"], state["lengths"], state["prompt_len"])
+        prompt_len = torch.as_tensor(state["prompt_len"]).expand(state["tokens"].shape[0])
+        return Sequences(state["tokens"], state["lengths"], prompt_len)
     result = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".seq-", dir=path.parent)
@@ -110,16 +112,38 @@ def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_
     """(train, held-out) continuation sets of the target, cached in ``cache_dir``."""
     from specdec.train.target import corpus_streams
 
-    train_stream, val_stream = corpus_streams(target_dir)
+    train_stream, _ = corpus_streams(target_dir)
     key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
     generator = data.step_generator(seed, 0, salt=11)
-    train_prefixes = data.sample_windows(train_stream, train_sequences, prefix_len, generator)
-    held_prefixes = data.sample_windows(val_stream, heldout_sequences, prefix_len, data.step_generator(seed, 0, salt=12))
+    train_prefixes = data.sample_windows(train_stream, train_sequences, prefix_len, generator).tolist()
     train = cached_sequences(Path(cache_dir) / f"train-{key}-{train_sequences}.pt", lambda: continuations(
         target_dir, train_prefixes, generated_len, [0.0, 1.0], generation_batch, seed, log))
-    held = cached_sequences(Path(cache_dir) / f"heldout-{key}-{heldout_sequences}.pt", lambda: continuations(
-        target_dir, held_prefixes, generated_len, [0.0], generation_batch, seed + 1, log))
-    return train, held
+    return train, heldout_data(target_dir, fingerprint, cache_dir, heldout_sequences, generation_batch, seed, log)
+
+
+HELDOUT_NEW_TOKENS = 128
+
+
+def heldout_prompts(target_dir: Path, count: int) -> list[list[int]]:
+    """Code-completion prompts (a definition's header, docstring and first lines) from the validation
+    split, built as the benchmark's task set is built from the test split; token ids."""
+    from specdec.zoo import corpus
+    from specdec.zoo import tokenizer as zoo_tokenizer
+    from specdec.zoo.tasks import code_completion_tasks
+
+    root = corpus.stdlib_root()
+    sources = [(p.relative_to(root).as_posix(), p.read_text(encoding="utf-8")) for p in corpus.list_split("validation")]
+    tokenizer = zoo_tokenizer.load_tokenizer(target_dir)
+    prompts = [tokenizer.encode(task["prompt"], add_special_tokens=False).ids for task in code_completion_tasks(sources)]
+    return [p for p in prompts if p][:count]
+
+
+def heldout_data(target_dir: Path, fingerprint: str, cache_dir: Path, count: int, generation_batch: int, seed: int,
+                 log: Callable[[str], None]) -> Sequences:
+    """Greedy continuations of the held-out prompts, cached in ``cache_dir``."""
+    path = Path(cache_dir) / f"heldout-code-{fingerprint}-{count}-{HELDOUT_NEW_TOKENS}.pt"
+    return cached_sequences(path, lambda: continuations(target_dir, heldout_prompts(target_dir, count),
+                                                        HELDOUT_NEW_TOKENS, [0.0], generation_batch, seed + 1, log))
 
 
 class FrozenTarget:
@@ -150,17 +174,41 @@ def shifted(x: torch.Tensor, shift: int, length: int, fill=0) -> torch.Tensor:
     return part
 
 
-def acceptance_summary(accepted: torch.Tensor, depth: int, label: str = "") -> dict[str, float]:
-    """From accepted drafts per anchor [A] (each 0..depth): per-position acceptance, predicted tau per k."""
+def acceptance_summary(accepted: torch.Tensor, depth: int, walks=None) -> dict[str, float]:
+    """From accepted drafts per anchor [A] (each 0..depth): per-position acceptance P(first j accepted);
+    with ``walks`` ([(accepted per position [N], first anchor, length)] per sequence) the predicted tau
+    of chains of k, from decoding each sequence as the loop does (``walk``)."""
     accepted = accepted.float()
     out = {}
     reach = [(accepted >= j).float().mean().item() for j in range(1, depth + 1)]  # P(first j all accepted)
     for j, value in enumerate(reach, 1):
-        out[f"{label}accept_{j}"] = value
+        out[f"accept_{j}"] = value
     for k in range(1, depth + 1):
-        out[f"{label}tau_k{k}"] = 1.0 + sum(reach[:k])
-    out[f"{label}anchors"] = float(accepted.numel())
+        if walks is None:
+            out[f"tau_k{k}"] = 1.0 + sum(reach[:k])
+        else:
+            tokens, steps = map(sum, zip(*(walk(a, start, length, k) for a, start, length in walks)))
+            out[f"tau_k{k}"] = tokens / max(steps, 1)
+    out["anchors"] = float(accepted.numel())
     return out
+
+
+def walk(accepted: torch.Tensor, start: int, length: int, k: int) -> tuple[int, int]:
+    """(tokens, steps) of decoding one held-out sequence with chains of k, as the loop does.
+
+    accepted[t]: leading drafts equal to the target's tokens when drafting from position t (the
+    feature of t, the pending token t + 1). From the first anchor, each step commits
+    min(accepted[t], k, what still fits) + 1 tokens and the next step starts after them. This, not the
+    mean over all positions, is what a generation measures: a run of easy positions is crossed in a
+    few long steps, so averaging per position would overweight it.
+    """
+    values = accepted.tolist()
+    tokens = steps = 0
+    t = start
+    while t <= length - 2:
+        got = min(values[t], k, length - 2 - t)
+        tokens, steps, t = tokens + got + 1, steps + 1, t + got + 1
+    return tokens, steps
 
 
 def leading_matches(matches: torch.Tensor) -> torch.Tensor:
@@ -168,12 +216,13 @@ def leading_matches(matches: torch.Tensor) -> torch.Tensor:
     return matches.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def anchor_mask(valid: torch.Tensor, prompt_len: int, pairs: int, depth: int) -> torch.Tensor:
+def anchor_mask(valid: torch.Tensor, prompt_len, pairs: int, depth: int) -> torch.Tensor:
     """[B, N] anchors t whose next ``depth`` target tokens exist and follow the target's greedy choices:
     t + 1 >= prompt_len (the token fed at t is generated) and t + depth < length (the target's logits
     at t + 1 .. t + depth, which score the drafts, are of real tokens)."""
     index = torch.arange(pairs)[None, :]
     lengths = valid.sum(1)[:, None]
+    prompt_len = torch.as_tensor(prompt_len).reshape(-1, 1)
     return (index + 1 >= prompt_len) & (index + depth < lengths)
 
 

@@ -23,7 +23,8 @@ import torch
 from specdec.models import medusa
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, prepare_run, shifted, warn_if_useless
+from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, prepare_run, shifted, walk,
+                                    warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 TOPK = 10
@@ -60,10 +61,17 @@ def config_from_dict(values: dict[str, Any]) -> MedusaTrainConfig:
     return train_config.config_from_dict(MedusaTrainConfig, values, "Medusa training")
 
 
-def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int) -> torch.Tensor:
-    """[A, heads]: the rank of the target's greedy token in each head's top-10 at every held-out anchor (-1: absent)."""
+@dataclass
+class HeadRanks:
+    """Where the target's greedy token ranks in each head's top-10 (-1: absent) on held-out data."""
+
+    at_anchors: torch.Tensor  # [A, heads] at every anchor with all heads' tokens in the sequence
+    rows: list               # per sequence: (ranks [T, heads], first anchor, length), for decoding walks
+
+
+def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int) -> HeadRanks:
     heads = net.config.medusa_num_heads
-    ranks = []
+    ranks, rows_out = [], []
     with torch.no_grad():
         for start in range(0, held.tokens.shape[0], 8):
             rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
@@ -75,24 +83,39 @@ def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int) 
             hit = top == truth[..., None]
             rank = torch.where(hit.any(-1), hit.float().argmax(-1), -1)  # [B, T, heads]
             # anchor t: the feature at t (the token before the pending one); t + 1 is generated
-            anchors = anchor_mask(valid, held.prompt_len, length, heads)
+            anchors = anchor_mask(valid, held.prompt_len[rows], length, heads)
             ranks.append(rank[anchors])
-    return torch.cat(ranks)
+            rows_out += [(rank[i], int(held.prompt_len[row]) - 1, int(held.lengths[row])) for i, row in enumerate(rows)]
+    return HeadRanks(torch.cat(ranks), rows_out)
 
 
-def tree_tau(ranks: torch.Tensor, choices) -> float:
-    """Exact held-out tau of a static tree: 1 + the deepest path whose every rank matches."""
-    depth = torch.zeros(ranks.shape[0])
+def tree_depths(ranks: torch.Tensor, choices) -> torch.Tensor:
+    """[N] the deepest path of the tree whose every rank matches, at each position of ranks [N, heads]."""
+    depth = torch.zeros(ranks.shape[0], dtype=torch.long)
     for path in choices:
         ok = torch.ones(ranks.shape[0], dtype=torch.bool)
         for head, rank in enumerate(path):
             ok &= ranks[:, head] == rank
-        depth = torch.where(ok, torch.maximum(depth, torch.tensor(float(len(path)))), depth)
-    return 1.0 + float(depth.mean())
+        depth = torch.where(ok, torch.clamp(depth, min=len(path)), depth)
+    return depth
+
+
+def tree_tau(ranks, choices) -> float:
+    """Held-out tau of a static tree: decoding walks over whole sequences (``features.walk``) for
+    HeadRanks, the mean of 1 + accepted depth over anchors for a plain [A, heads] tensor."""
+    if isinstance(ranks, torch.Tensor):
+        return 1.0 + float(tree_depths(ranks, choices).float().mean())
+    deepest = max((len(p) for p in choices), default=0)
+    tokens = steps = 0
+    for rank, first, length in ranks.rows:
+        got, taken = walk(tree_depths(rank, choices), first, length, deepest)
+        tokens, steps = tokens + got, steps + taken
+    return tokens / max(steps, 1)
 
 
 def build_tree(ranks: torch.Tensor, size: int) -> list[tuple[int, ...]]:
     """The ``size`` paths of highest product of per-(head, rank) held-out accuracy, in order of depth."""
+    ranks = ranks.at_anchors if isinstance(ranks, HeadRanks) else ranks
     heads = ranks.shape[1]
     accuracy = torch.stack([(ranks == r).float().mean(0) for r in range(TOPK)], 1)  # [heads, 10]
     chosen, frontier = [], [(-float(accuracy[0, r]), (r,)) for r in range(TOPK)]
@@ -171,7 +194,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
         model.eval()
         ranks = head_ranks(model, frozen, held, layer)
         chain = [tuple([0] * d) for d in range(1, heads + 1)]
-        metrics = {f"top1_head{i}": float((ranks[:, i] == 0).float().mean()) for i in range(heads)}
+        metrics = {f"top1_head{i}": float((ranks.at_anchors[:, i] == 0).float().mean()) for i in range(heads)}
         metrics["tau_chain"] = tree_tau(ranks, chain)
         metrics["tau_tree16"] = tree_tau(ranks, build_tree(ranks, 16))
         return metrics
@@ -191,7 +214,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
     summary = {
         "kind": "medusa", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
         "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
-        "heldout_tokens": held.num_tokens, "heldout_anchors": int(ranks.shape[0]),
+        "heldout_tokens": held.num_tokens, "heldout_anchors": int(ranks.at_anchors.shape[0]),
         "features": "computed on the fly by the frozen target (nothing cached but token ids)",
         "offline": {**{k: round(v, 4) for k, v in final.items()}, "tau_default_tree": round(tau, 4)},
         "tree_sizes": sizes, "default_tree_nodes": len(choices), "low_acceptance_warning": useless,
@@ -201,3 +224,21 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
                                                                                 "offline")})
     medusa.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
     return summary
+
+
+def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
+                     log: Callable[[str], None] = print) -> dict[str, float]:
+    """The offline metric of a saved Medusa folder (its own tree, the chain, per-head top-1) on the held-out prompts."""
+    from specdec.backends.target import load_target
+    from specdec.train.features import heldout_data
+
+    net = medusa.load_net(path)
+    target = load_target(target_dir)
+    held = heldout_data(Path(target_dir), target.fingerprint(), cache_dir, heldout_sequences, 16, 0, log)
+    ranks = head_ranks(net, FrozenTarget(target_dir), held, target.num_layers)
+    heads = net.config.medusa_num_heads
+    metrics = {f"top1_head{i}": float((ranks.at_anchors[:, i] == 0).float().mean()) for i in range(heads)}
+    metrics["tau_chain"] = tree_tau(ranks, [tuple([0] * d) for d in range(1, heads + 1)])
+    metrics["tau_default_tree"] = tree_tau(ranks, net.config.medusa_choices)
+    metrics["anchors"] = float(ranks.at_anchors.shape[0])
+    return metrics
