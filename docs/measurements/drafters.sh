@@ -7,7 +7,7 @@ OUT=docs/measurements
 for d in float32 bfloat16; do
   echo "== code-completion, greedy, batch 1, one thread, $d"
   specdec bench --threads 1 --target $Z --draft $D --tasks code-completion --num-prompts 20 --max-new-tokens 128 \
-    -k 2 3 4 5 6 8 --trees 4/2/6 5/2/8 6/3/12 --drafters medusa eagle eagle3 --backend native --dtype $d \
+    -k 2 4 6 8 --trees 4/2/6 6/2/10 6/3/16 --drafters medusa eagle eagle3 --backend native --dtype $d \
     --no-transformers --output $OUT/drafters-code-$d.json
 done
 echo "== code-completion, greedy, batch 4, one thread, float32"
