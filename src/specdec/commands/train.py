@@ -111,21 +111,25 @@ def cmd_train_evaluate(args) -> int:
     method = method_of(read_config_json(args.drafter))
     cache = args.cache_dir or Path(args.drafter) / "checkpoints"
     if "Medusa" in method:
-        metrics = medusa.evaluate_drafter(args.drafter, args.target, cache, args.heldout)
+        metrics = medusa.evaluate_drafter(args.drafter, args.target, cache, args.heldout, choose=args.choose_tree)
     elif "EAGLE" in method:
         metrics = eagle.evaluate_drafter(args.drafter, args.target, cache, args.heldout, args.depth)
     else:
         raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa and EAGLE folders")
+    choices = metrics.pop("medusa_choices", None)
+    sizes = metrics.pop("tree_sizes", None)
     metrics = {k: round(v, 4) for k, v in metrics.items()}
+    if sizes:
+        metrics["tree_sizes"] = sizes
     if args.record:
-        record_offline(Path(args.drafter), metrics)
+        record_offline(Path(args.drafter), metrics, choices)
     print(json.dumps(metrics))
     return 0
 
 
-def record_offline(folder: Path, metrics: dict) -> None:
+def record_offline(folder: Path, metrics: dict, choices=None) -> None:
     """Store a held-out evaluation in the folder's config.json (specdec.training.offline) and
-    training_summary.json, each file replaced atomically."""
+    training_summary.json (and a newly chosen Medusa tree in config.json), each file replaced atomically."""
     import os
     import tempfile
 
@@ -138,6 +142,8 @@ def record_offline(folder: Path, metrics: dict) -> None:
         for key in place:
             node = node.setdefault(key, {})
         node["offline"] = metrics
+        if choices is not None and name == "config.json":
+            data["medusa_choices"] = choices
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(data, indent=2) + "\n")
@@ -209,6 +215,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--depth", type=int, default=8, help="EAGLE: drafts per anchor (default 8)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where the held-out continuations are cached "
                                                                   "(default DRAFTER/checkpoints)")
+    p.add_argument("--choose-tree", action="store_true", help="Medusa: choose the default tree again from "
+                                                              "the held-out prompts and this machine's costs")
     p.add_argument("--record", action="store_true", help="store the result in the folder (config.json and "
                                                          "training_summary.json, key offline)")
     p.add_argument("--threads", type=int, default=1)

@@ -227,7 +227,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
-                     log: Callable[[str], None] = print) -> dict[str, float]:
+                     log: Callable[[str], None] = print, choose: bool = False) -> dict:
     """The offline metric of a saved Medusa folder (its own tree, the chain, per-head top-1) on the held-out prompts."""
     from specdec.backends.target import load_target
     from specdec.train.features import heldout_data
@@ -241,4 +241,9 @@ def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequ
     metrics["tau_chain"] = tree_tau(ranks, [tuple([0] * d) for d in range(1, heads + 1)])
     metrics["tau_default_tree"] = tree_tau(ranks, net.config.medusa_choices)
     metrics["anchors"] = float(ranks.at_anchors.shape[0])
+    if choose:  # choose the default tree again, from these held-out prompts and this machine's costs
+        choices, sizes = choose_tree(ranks, target_cost(target_dir), log)
+        metrics["tau_default_tree"] = tree_tau(ranks, choices)
+        metrics["medusa_choices"] = [list(p) for p in choices]
+        metrics["tree_sizes"] = sizes
     return metrics
