@@ -104,6 +104,7 @@ def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, dra
             assert out.stats.exact_numerics and out.token_ids == reference, f"{drafter.name} {setting}"
 
 
+@pytest.mark.filterwarnings("error::specdec.errors.TargetMismatchWarning")
 def test_trained_zoo_drafters_equal_plain_decoding():
     """Where drafts are mostly accepted: accepted paths, their features and the rollback all matter."""
     from specdec.zoo import ZooError, zoo_path

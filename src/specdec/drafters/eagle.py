@@ -122,7 +122,6 @@ class EagleSession:
         if self.tree is not None:
             return self._propose_tree()
         batch = self.last.shape[0]
-        everyone = torch.ones(batch, 1, dtype=torch.bool, device=self.last.device)
         out = self.last
         drafts, dists = [], []
         for step in range(k):
@@ -130,7 +129,7 @@ class EagleSession:
             drafts.append(token)
             dists.append(probs)
             if step + 1 < k:
-                out = self.cache.run(token[:, None], out[:, None], everyone)[:, -1]
+                out = self.cache.step(token, out)
         lengths = torch.full((batch,), k, dtype=torch.long, device=self.last.device)
         stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
         return Proposal(torch.stack(drafts, dim=1), lengths, stacked)

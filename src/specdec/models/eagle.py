@@ -408,6 +408,28 @@ class FeatureCache(NativeCache):
             self._features = None
         return block.states  # [B, n, H]
 
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """One drafting step of a chain: tokens [B], features [B, H or F] -> outputs [B, H].
+
+        What ``run`` does for one live column per row, without its generality (no block mask, no
+        explicit positions): the bookkeeping a chain pays at every draft is a few tensor operations.
+        Every row sees all its live columns, the same arithmetic as ``run`` (kernels.c).
+        """
+        batch = tokens.shape[0]
+        past = self.columns
+        if past + 1 > self.capacity:
+            self._grow(past, past + 1)
+        positions = self.lengths.clamp(max=self.max_position)  # [B]
+        self.valid = torch.cat([self.valid, self.valid.new_ones(batch, 1)], dim=1)
+        self.positions = torch.cat([self.positions, positions[:, None]], dim=1)
+        self.lengths = self.lengths + 1
+        hidden, attn_in = self.runtime.inputs(tokens[:, None], features[:, None])
+        work = self._scratch(batch, 1)
+        params = llama.block_params(self.model, self.kv, past, positions, work)
+        return llama.decoder_layer_from(self.model, 0, attn_in, None, hidden, params, self.kv,
+                                        self.valid[:, None, :].contiguous())
+
     def _inputs(self, tokens):
         hidden, self._attn_in = self.runtime.inputs(tokens, self._features)
         return hidden
