@@ -12,10 +12,7 @@ for d in float32 bfloat16; do
 done
 echo "== code-completion, greedy, batch 4, one thread, float32"
 specdec bench --threads 1 --target $Z --draft $D --tasks code-completion --num-prompts 20 --max-new-tokens 128 \
-  -k 4 6 --drafters medusa eagle eagle3 --backend native --batch-sizes 1 4 --no-transformers \
+  -k 4 --drafters medusa eagle eagle3 --backend native --batch-sizes 1 4 --no-transformers \
   --output $OUT/drafters-code-batch4.json
-echo "== copy-edit, greedy, batch 1, one thread, float32"
-specdec bench --threads 1 --target $Z --draft $D --tasks copy-edit --num-prompts 20 --max-new-tokens 128 \
-  -k 4 6 --drafters medusa eagle eagle3 --backend native --no-transformers --output $OUT/drafters-copy.json
 echo "== temperature 0.7"
 python docs/measurements/sampled_tau.py 0.7 > $OUT/drafters-sampled.json
