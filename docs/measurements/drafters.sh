@@ -14,5 +14,9 @@ echo "== code-completion, greedy, batch 4, one thread, float32"
 specdec bench --threads 1 --target $Z --draft $D --tasks code-completion --num-prompts 20 --max-new-tokens 128 \
   -k 4 --drafters medusa eagle eagle3 --backend native --batch-sizes 1 4 --no-transformers \
   --output $OUT/drafters-code-batch4.json
+echo "== Medusa with a 16-node tree"
+T16='[[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0], [1, 0, 0], [0, 0, 0, 0]]'
+specdec bench --threads 1 --target $Z --tasks code-completion --num-prompts 20 --max-new-tokens 128 -k 4 \
+  --drafters medusa --medusa-choices "$T16" --backend native --no-transformers --output $OUT/drafters-medusa16.json
 echo "== temperature 0.7"
 python docs/measurements/sampled_tau.py 0.7 > $OUT/drafters-sampled.json
