@@ -166,7 +166,7 @@ def test_kernel_runtime_computes_the_networks_rollout(version, dtype, model_dirs
     # one drafting step from the last anchor: token x_{t+2} with the drafter's own output at t
     t = length - 2
     cache.truncate(torch.full((batch,), t + 1))
-    nxt = cache.run(tokens[:, t + 2: t + 3], out[:, t: t + 1])
+    nxt = cache.run(tokens[:, t + 2: t + 3], out[:, t: t + 1], fused=False)
     assert (nxt[:, 0].float() - step1[:, t]).abs().max() < tolerance * max(1.0, float(step1.abs().max()))
     logits = runtime.logits(out).float()
     assert (logits - net.logits(step0, head)).abs().max() < 10 * tolerance * max(1.0, float(logits.abs().max()))
@@ -299,3 +299,22 @@ def test_registry_names_and_cli(model_dirs, drafter_dirs, capsys):
     assert code == 0 and result["stats"]["drafter"] == "eagle3" and len(result["outputs"][0]["token_ids"]) == 6
     code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", "eagle3", "--prompt", "x"])
     assert code == 2 and "needs --draft" in capsys.readouterr().err
+
+
+def test_eagle3_with_one_fused_layer_still_projects_the_targets_features(model_dirs):
+    """A one-layer target gives EAGLE-3 features as wide as its own outputs: fc must still apply to them."""
+    target = specdec.load_target(model_dirs["llama-draft"], backend="native")
+    torch.manual_seed(2)
+    net = eagle.EagleNet(eagle.EagleConfig.for_target(target, 3)).eval()
+    assert net.config.feature_size == net.config.hidden_size
+    tokens = torch.randint(0, target.vocab_size, (1, 8))
+    features = torch.randn(1, 7, net.config.feature_size)
+    embed = target.input_embeddings().float()
+    with torch.no_grad():
+        (reference,) = net.rollout([torch.nn.functional.embedding(tokens[:, 1:], embed)], features, 1)
+    out = eagle.EagleRuntime(net, embed, None, torch.float32).new_cache(1, 32).run(tokens[:, 1:], features)
+    assert (out - reference).abs().max() < 2e-5 * max(1.0, float(reference.abs().max()))
+    prompts = target.encode(PROMPTS[:2])
+    drafter_dir = eagle.save(net, model_dirs["llama-draft"].parent / "one-layer-eagle3")
+    assert specdec.generate(target, prompts, drafter=Eagle(drafter_dir), max_new_tokens=12).token_ids == \
+        plain(target, prompts, 12)

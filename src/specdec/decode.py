@@ -7,7 +7,6 @@ logits score every draft plus the token after them.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -109,17 +108,15 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         return _finish(target, outputs, stats, started)
 
     pad = target.pad_token_id
-    nodes = int(getattr(drafter, "tree_nodes", 0))  # drafters with a static tree of their own (Medusa)
-    if nodes > config.k_limit:
-        config = dataclasses.replace(config, max_draft_tokens=max(config.max_draft_tokens, nodes),
-                                     num_draft_tokens=max(config.num_draft_tokens, nodes))
-    capacity = max(len(p) for p in prompts) + config.max_new_tokens + config.k_limit + 2
+    static_tree = int(getattr(drafter, "tree_nodes", 0))  # a drafter's own static tree (Medusa) sets its width
+    width = max(config.k_limit, static_tree)  # the widest block of drafts a step may verify
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens + width + 2
     seqs = Sequences(prompts, capacity, pad, device=device)
     prompt_lengths = seqs.lengths.clone()
     rows = torch.arange(batch, device=device)  # original index of each live row
     eos = torch.tensor(target.eos_token_ids or [-1], device=device)
-    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, config.k_limit,
-                            cache_capacity(prompts, config), config.tree)
+    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, width,
+                            cache_capacity(prompts, config, static_tree), config.tree)
     session = drafter.start(context, seqs)
     layers = (getattr(drafter, "features", None) or FeatureSpec()).hidden_layers  # what it reads of the target
 
@@ -214,12 +211,14 @@ def warn_inexact(target: Target) -> None:
                   NumericsWarning, stacklevel=3)
 
 
-def cache_capacity(prompts: list[list[int]], config: GenerationConfig) -> int:
+def cache_capacity(prompts: list[list[int]], config: GenerationConfig, static_tree: int = 0) -> int:
     """Columns a KV cache of this generation may hold: every token, a block of drafts, and the holes
-    a ragged batch keeps until ``compact`` (at most max(32, half the longest row))."""
+    a ragged batch or a tree keeps until ``compact`` (at most max(32, half the longest row)).
+    static_tree: the nodes of a drafter's own fixed tree, when it has one."""
     longest = max(len(p) for p in prompts) + config.max_new_tokens
-    holes = max(32, longest // 2) + config.k_limit if len(prompts) > 1 or config.tree else 0
-    return longest + config.k_limit + 2 + holes
+    width = max(config.k_limit, static_tree)
+    holes = max(32, longest // 2) + width if len(prompts) > 1 or config.tree or static_tree else 0
+    return longest + width + 2 + holes
 
 
 def committed_features(hidden: torch.Tensor, keep: torch.Tensor | None, counts: torch.Tensor) -> TargetFeatures:

@@ -61,6 +61,12 @@ class RaggedCache:
         positions: [B, n] explicit positions of the new tokens (None: live tokens counted in order).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
+        past, positions = self.append(valid, positions)
+        return self._run(tokens, positions, past, logits_to_keep, hidden_layers, block_mask)
+
+    def append(self, valid: torch.Tensor, positions: torch.Tensor | None = None):
+        """The bookkeeping of a new block of columns (valid [B, n]); returns (its first column,
+        positions [B, n])."""
         rank = valid.cumsum(1)  # [B, n] live tokens up to and including each column
         if positions is None:
             positions = self.lengths[:, None] + rank - 1
@@ -69,7 +75,7 @@ class RaggedCache:
         self.valid = torch.cat([self.valid, valid], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
         self.lengths = self.lengths + rank[:, -1]
-        return self._run(tokens, positions, past, logits_to_keep, hidden_layers, block_mask)
+        return past, positions
 
     def visible(self, positions: torch.Tensor, past: int, block_mask: torch.Tensor | None,
                 window: Window = FULL) -> torch.Tensor:

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from specdec.batch import Sequences
-from specdec.errors import DrafterMismatchError, TargetMismatchWarning, UnsupportedModelError
+from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
@@ -43,26 +43,8 @@ class Eagle:
         return self.config.version
 
     def check_target(self, target) -> None:
-        self.check_target_record(self.config.target, self.config.hidden_size, self.config.vocab_size,
-                                 self.features.hidden_layers, target, f"the EAGLE-{self.version} drafter in {self.path}",
-                                 self)
-
-    @staticmethod
-    def check_target_record(record, hidden: int, vocab: int, layers, target, what: str, owner) -> None:
-        """Refuse a target whose shapes do not fit (one line); warn once when only its weights differ."""
-        if hidden != int(target.config.hidden_size):
-            raise DrafterMismatchError(f"{what} has hidden size {hidden}, the target {target.config.hidden_size}")
-        if vocab != target.vocab_size:
-            raise DrafterMismatchError(f"{what} has vocabulary size {vocab}, the target {target.vocab_size}")
-        if layers and max(layers) > target.num_layers:
-            raise DrafterMismatchError(f"{what} reads hidden_states {list(layers)}, the target has "
-                                       f"{target.num_layers} layers")
-        if getattr(owner, "_checked", None) is target:
-            return
-        warning = record.check(target, what)
-        owner._checked = target
-        if warning:
-            warnings.warn(warning, TargetMismatchWarning, stacklevel=4)
+        check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
+                     f"the EAGLE-{self.version} drafter in {self.path}")
 
     def runtime(self, target) -> eagle.EagleRuntime:
         dtype = target.backend.dtype
@@ -79,6 +61,15 @@ class Eagle:
     def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":
         self.check_target(context.target)
         return EagleSession(self.runtime(context.target), context, seqs.batch_size)
+
+
+def check_target(drafter, record, hidden: int, vocab: int, target, what: str) -> None:
+    """Refuse a target that ``drafter`` (its hidden size, vocabulary, feature layers) does not fit, in
+    one line; warn once per target when it fits but is not the one it was trained for."""
+    warning = record.check(target, what, hidden, vocab, drafter.features.hidden_layers)
+    if warning and getattr(drafter, "_warned_for", None) is not target:
+        drafter._warned_for = target
+        warnings.warn(warning, TargetMismatchWarning, stacklevel=4)
 
 
 class EagleSession:
@@ -154,7 +145,8 @@ class EagleSession:
                 parents = previous.gather(1, parent_slot[:, :, None].expand(-1, -1, previous.shape[2]))
             positions = (self.base + depth - 1)[:, None].expand(batch, width)
             everyone = torch.ones(batch, width, dtype=torch.bool, device=frontier_token.device)
-            out = cache.run(frontier_token, parents.contiguous(), everyone, block_mask=sees, positions=positions)
+            out = cache.run(frontier_token, parents.contiguous(), everyone, block_mask=sees, positions=positions,
+                            fused=False)
             state["out"] = out
             return self._scores(out)
 

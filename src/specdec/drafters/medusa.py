@@ -16,7 +16,7 @@ from specdec.batch import Sequences
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
 from specdec.models import kernels, medusa
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
-from specdec.drafters.eagle import Eagle
+from specdec.drafters.eagle import check_target
 from specdec.drafters.tree import static_tree
 
 
@@ -46,8 +46,8 @@ class Medusa:
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "MedusaSession":
         target = context.target
-        Eagle.check_target_record(self.config.target, self.config.hidden_size, self.config.vocab_size,
-                                  self.features.hidden_layers, target, f"the Medusa drafter in {self.path}", self)
+        check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
+                     f"the Medusa drafter in {self.path}")
         if context.tree is not None:
             raise InvalidArgumentError("Medusa verifies its own static tree (medusa_choices in its folder, or "
                                        "choices=); dynamic tree options do not apply")

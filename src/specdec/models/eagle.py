@@ -61,19 +61,23 @@ class TargetRecord:
         return cls(arch, getattr(config, "model_type", ""), int(config.hidden_size), int(target.num_layers),
                    int(target.vocab_size), target.fingerprint())
 
-    def check(self, target, what: str) -> str | None:
-        """Raise DrafterMismatchError when shapes do not fit; return a warning text when only the weights differ."""
-        got = TargetRecord.of(target)
-        for name in ("hidden_size", "vocab_size"):
-            if getattr(self, name) and getattr(self, name) != getattr(got, name):
-                raise DrafterMismatchError(f"{what} was trained for a target with {name} {getattr(self, name)}, "
-                                           f"this target has {getattr(got, name)}")
-        if self.num_hidden_layers and self.num_hidden_layers != got.num_hidden_layers:
+    def check(self, target, what: str, hidden: int, vocab: int, layers: tuple[int, ...] = ()) -> str | None:
+        """Raise DrafterMismatchError when a drafter of this hidden size and vocabulary, reading
+        ``hidden_states`` ``layers``, does not fit ``target``; return a warning text when only the
+        weights differ from those it was trained for."""
+        if hidden != int(target.config.hidden_size):
+            raise DrafterMismatchError(f"{what} has hidden size {hidden}, the target {target.config.hidden_size}")
+        if vocab != target.vocab_size:
+            raise DrafterMismatchError(f"{what} has vocabulary size {vocab}, the target {target.vocab_size}")
+        if layers and max(layers) > target.num_layers:
+            raise DrafterMismatchError(f"{what} reads hidden_states {list(layers)}, the target has "
+                                       f"{target.num_layers} layers")
+        if self.num_hidden_layers and self.num_hidden_layers != target.num_layers:
             raise DrafterMismatchError(f"{what} was trained for a target with {self.num_hidden_layers} layers, "
-                                       f"this target has {got.num_hidden_layers}")
-        if self.fingerprint and self.fingerprint != got.fingerprint:
+                                       f"this target has {target.num_layers}")
+        if self.fingerprint and self.fingerprint != target.fingerprint():
             return (f"{what} was trained for another target of the same shapes (weights fingerprint "
-                    f"{self.fingerprint}, this target {got.fingerprint}): acceptance may be far lower")
+                    f"{self.fingerprint}, this target {target.fingerprint()}): acceptance may be far lower")
         return None
 
 
@@ -373,12 +377,16 @@ class EagleRuntime:
         """Draft-vocabulary logits [.., V_draft] of outputs [.., H]."""
         return kernels.linear(out.contiguous(), self.core.head, norm_eps=self.head_eps)
 
-    def inputs(self, tokens: torch.Tensor, features: torch.Tensor):
-        """(residual stream h, attention input) [B * n, .] for tokens [B, n] and features [B, n, F or H]."""
+    def inputs(self, tokens: torch.Tensor, features: torch.Tensor, fused: bool = True):
+        """(residual stream h, attention input) [B * n, .] for tokens [B, n] and features [B, n, F or H].
+
+        fused: the features are the target's (EAGLE-3 projects them with fc); False: the drafter's own
+        outputs, which EAGLE-3 reads as they are (EAGLE-1 projects both kinds).
+        """
         emb = F.embedding(tokens.reshape(-1), self.core.embed)  # [M, H]
         feats = features.reshape(emb.shape[0], -1).to(self.dtype).contiguous()
         if self.config.version == 3:
-            hidden = kernels.linear(feats, self.fc) if feats.shape[1] != self.config.hidden_size else feats
+            hidden = kernels.linear(feats, self.fc) if fused else feats
             x_attn = torch.cat([kernels.rms_norm(emb, self.in_norm, self.config.rms_norm_eps),
                                 kernels.rms_norm(hidden, self.hidden_norm, self.config.rms_norm_eps)], dim=1)
             return hidden, x_attn
@@ -396,12 +404,14 @@ class FeatureCache(NativeCache):
     def __init__(self, runtime: EagleRuntime, batch_size: int, capacity: int | None = None):
         self.runtime = runtime
         super().__init__(types.SimpleNamespace(model=runtime.core), batch_size, capacity)
-        self._features = None
+        self._features, self._fused = None, True
         self._attn_in = None
 
     def run(self, tokens: torch.Tensor, features: torch.Tensor, valid: torch.Tensor | None = None,
-            block_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        self._features = features
+            block_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+            fused: bool = True) -> torch.Tensor:
+        """fused: ``features`` are the target's (False: the drafter's own outputs, see EagleRuntime.inputs)."""
+        self._features, self._fused = features, fused
         try:
             block = self.begin(tokens, valid, stop=1, block_mask=block_mask, positions=positions)
         finally:
@@ -410,28 +420,25 @@ class FeatureCache(NativeCache):
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """One drafting step of a chain: tokens [B], features [B, H or F] -> outputs [B, H].
+        """One drafting step of a chain: tokens [B], the drafter's own outputs [B, H] -> outputs [B, H].
 
         What ``run`` does for one live column per row, without its generality (no block mask, no
         explicit positions): the bookkeeping a chain pays at every draft is a few tensor operations.
         Every row sees all its live columns, the same arithmetic as ``run`` (kernels.c).
         """
         batch = tokens.shape[0]
-        past = self.columns
-        if past + 1 > self.capacity:
-            self._grow(past, past + 1)
-        positions = self.lengths.clamp(max=self.max_position)  # [B]
-        self.valid = torch.cat([self.valid, self.valid.new_ones(batch, 1)], dim=1)
-        self.positions = torch.cat([self.positions, positions[:, None]], dim=1)
-        self.lengths = self.lengths + 1
-        hidden, attn_in = self.runtime.inputs(tokens[:, None], features[:, None])
+        if self.columns + 1 > self.capacity:
+            self._grow(self.columns, self.columns + 1)
+        past, positions = self.append(self.valid.new_ones(batch, 1))
+        positions = positions.reshape(-1).contiguous()  # [B], alive while the kernels run
+        hidden, attn_in = self.runtime.inputs(tokens[:, None], features[:, None], fused=False)
         work = self._scratch(batch, 1)
         params = llama.block_params(self.model, self.kv, past, positions, work)
         return llama.decoder_layer_from(self.model, 0, attn_in, None, hidden, params, self.kv,
                                         self.valid[:, None, :].contiguous())
 
     def _inputs(self, tokens):
-        hidden, self._attn_in = self.runtime.inputs(tokens, self._features)
+        hidden, self._attn_in = self.runtime.inputs(tokens, self._features, self._fused)
         return hidden
 
     def _layer(self, index, block):
