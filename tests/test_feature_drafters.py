@@ -90,14 +90,21 @@ def test_feature_drafters_match_transformers_greedy(arch, targets, hf_models, dr
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, drafter_dirs):
-    target = specdec.load_target(model_dirs[arch], dtype=torch.bfloat16, backend="native")
+def bfloat16_with_eos(folder, max_new_tokens=40):
+    """(native bfloat16 target, prompts, plain outputs) with an EOS chosen so that some rows stop at it
+    and others at the limit."""
+    target = specdec.load_target(folder, dtype=torch.bfloat16, backend="native")
     prompts = target.encode(PROMPTS)
     target.eos_token_ids = ()
-    free = plain(target, prompts, 40)
+    free = plain(target, prompts, max_new_tokens)
     target.eos_token_ids = ([t for row in free for t in row[3:] if any(t not in other for other in free)][0],)
-    reference = plain(target, prompts, 40)
-    assert any(r[-1] in target.eos_token_ids for r in reference) and any(len(r) == 40 for r in reference)
+    reference = plain(target, prompts, max_new_tokens)
+    assert any(r[-1] in target.eos_token_ids for r in reference) and any(len(r) == max_new_tokens for r in reference)
+    return target, prompts, reference
+
+
+def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, drafter_dirs):
+    target, prompts, reference = bfloat16_with_eos(model_dirs[arch])
     for drafter in all_drafters(drafter_dirs[arch]):
         for setting in settings_for(drafter):
             out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=40, **setting)

@@ -20,9 +20,10 @@ def test_tiny_build_produces_a_complete_zoo(tmp_path, capsys, monkeypatch):
     for name in ("target", "draft"):
         AutoModelForCausalLM.from_pretrained(out / name)
         assert not (out / name / "checkpoints").exists()
-    from specdec.drafters import Eagle, Medusa
+    from specdec.drafters import DFlash, Eagle, Medusa
 
     assert Eagle(out / "eagle", version=1) and Eagle(out / "eagle3", version=3) and Medusa(out / "medusa")
-    assert set(summary["drafters_offline"]) == {"medusa", "eagle", "eagle3"}
+    assert DFlash(out / "dflash").block_size == 4
+    assert set(summary["drafters_offline"]) == {"medusa", "eagle", "eagle3", "dflash"}
     for name in tasks.TASK_NAMES:
         assert len(tasks.load_tasks(name, out / "tasks")) >= 50

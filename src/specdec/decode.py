@@ -72,14 +72,25 @@ def check_context(target: Target, prompts: list[list[int]], config: GenerationCo
             f"the context window of {window} tokens")
 
 
-def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int = 5,
+DEFAULT_DRAFT_TOKENS = 5
+
+
+def default_draft_tokens(drafter) -> int:
+    """k when none is asked for: the drafter's own (a DFlash block minus its anchor), else 5."""
+    return int(getattr(drafter, "default_draft_tokens", None) or DEFAULT_DRAFT_TOKENS)
+
+
+def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int | None = None,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant",
              tree: TreeConfig | None = None) -> GenerationOutput:
     """Generate from a batch of prompts (str or list of token ids), losslessly sped up by ``drafter``.
 
     ``tree``: verify token trees (``TreeConfig(depth, topk, num_nodes)``) instead of chains of k.
+    ``num_draft_tokens``: k, the drafts per step (default: the drafter's own, else 5).
     """
+    if num_draft_tokens is None:
+        num_draft_tokens = default_draft_tokens(drafter)
     config = GenerationConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
                               sampling=SamplingConfig(temperature, top_k, top_p), seed=seed,
                               draft_schedule=draft_schedule, tree=tree)

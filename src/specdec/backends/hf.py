@@ -679,3 +679,19 @@ def weightless_model(config, generation_config):
     if generation_config is not None:
         model.generation_config = generation_config
     return model
+
+
+def dflash_assistant(config: dict, state: dict, dtype: torch.dtype = torch.float32, device="cpu"):
+    """transformers' own DFlash assistant model (``generate(assistant_model=..., speculation_type="dflash")``)
+    from its config.json dict and state dict, built in memory."""
+    from transformers import AutoModel
+
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    with quiet():
+        model = AutoModel.from_config(AutoConfig.for_model(config["model_type"], **fields), dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing = [name for name in missing if "rotary" not in name]
+    if missing or unexpected:
+        raise ModelLoadError(f"transformers' DFlash assistant does not take these weights: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.to(device).eval()

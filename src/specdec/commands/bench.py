@@ -25,7 +25,7 @@ from specdec.drafters.base import TreeConfig
 from specdec.errors import InvalidArgumentError
 from specdec.backends.target import Target
 
-PLAIN, DRAFT_MODEL, PROMPT_LOOKUP = "plain", "draft-model", "prompt-lookup"
+PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH = "plain", "draft-model", "prompt-lookup", "dflash"
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Method:
     decode_seconds: float = 0.0  # specdec: time after prefill (the steps the efficiency is about)
     decode_tokens: int = 0       # specdec: tokens those steps produced
     feature_seconds: float = 0.0  # specdec: handing the target's features to the drafter
+    draft_seconds: float = 0.0   # specdec: the drafter's own time (propose, accepted, observe)
     steps: int = 0               # specdec: batched verification steps
     note: str = ""               # what the label adds (a drafter's own static tree)
     accepted_at: list = field(default_factory=list)  # specdec: row-steps accepting >= j+1 drafts (depths, trees)
@@ -117,8 +118,10 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
                         max_ngram: int, counter: ForwardCounter):
     """transformers' generate() on ``model`` (the target's weights as a transformers model)."""
     extra = {}
-    if family == DRAFT_MODEL:
+    if family in (DRAFT_MODEL, DFLASH):
         extra = {"assistant_model": draft_model}
+    if family == DFLASH:
+        extra["speculation_type"] = "dflash"
     elif family == PROMPT_LOOKUP:
         extra = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
     eos = list(target.eos_token_ids) or None
@@ -131,6 +134,8 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
             draft_model.generation_config.num_assistant_tokens = k
             draft_model.generation_config.num_assistant_tokens_schedule = "constant"
             draft_model.generation_config.assistant_confidence_threshold = 0.0
+        if family == DFLASH:  # its candidate generator reads the block from the assistant's config
+            draft_model.config.block_size = k + 1
         ids = torch.tensor([prompt], device=target.device)
         before = counter.count
         with torch.inference_mode():
@@ -157,8 +162,10 @@ def transformers_model(model: Target | DraftModel):
 
 
 def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
-                  max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = ()):
-    """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None)."""
+                  max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = (),
+                  block_sizes: tuple = ()):
+    """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None),
+    and transformers' DFlash on the same weights when a DFlash drafter is measured."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
     for engine in engines:
@@ -176,7 +183,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                                   batch_size, tag, tree))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, None, max_new_tokens, batch_size, tag,
                                               tree))
-            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag)
+            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes)
     if reference is not None:
         model, draft_model = reference
         target = engines[0].target
@@ -188,11 +195,26 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                                    max_ngram, counter))
             methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
                                                counter))
+        for name, drafter in engines[0].drafters:
+            if name == DFLASH:
+                from specdec.models.dflash import hf_assistant
+
+                assistant = hf_assistant(drafter.net, model.config, model.dtype, model.device)
+                methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
+                                                counter) for k in dflash_ks(drafter, block_sizes)]
     return methods
 
 
-def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str) -> list:
-    """The methods of an engine's trained drafters, as the registry says each drafts."""
+def dflash_ks(drafter, block_sizes) -> list[int]:
+    """Drafts per step of each DFlash block size measured (block - 1; default: the drafter's own block)."""
+    sizes = [b for b in block_sizes if b <= drafter.config.block_size] or [drafter.block_size]
+    return [b - 1 for b in sizes]
+
+
+def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str,
+                    block_sizes=()) -> list:
+    """The methods of an engine's trained drafters, as the registry says each drafts (DFlash: one
+    chain per block size, k = block - 1)."""
     from specdec.drafters.registry import REGISTRY
 
     methods = []
@@ -202,7 +224,8 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             note = f"tree={getattr(drafter, 'tree_nodes', '?')} nodes"
             methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
             continue
-        methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag) for k in ks]
+        chain_ks = dflash_ks(drafter, block_sizes) if name == DFLASH else ks
+        methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag) for k in chain_ks]
         if entry.trees:
             methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
                         for tree in trees]
@@ -220,13 +243,14 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               max_new_tokens: int = 64, batch_sizes=(1,), repeats: int = 1, max_ngram: int = 3,
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
-              trees: tuple[TreeConfig, ...] = (), drafters: tuple = ()) -> dict:
+              trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = ()) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
     transformers' methods run on ``transformers_models`` = (model, draft model or None), by default
     the target's and draft's own transformers models. ``drafters``: (registry name, drafter) pairs of
-    trained drafters measured beside them on the target's engine.
+    trained drafters measured beside them on the target's engine. ``block_sizes``: DFlash blocks to
+    measure (default: each DFlash drafter's own).
     """
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
@@ -238,8 +262,10 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     reference = None
     if with_transformers:
         reference = transformers_models or (transformers_model(target), draft and transformers_model(draft))
+    if any(b < 2 for b in block_sizes):
+        raise InvalidArgumentError("every DFlash block size must be >= 2 (the pending token and a draft)")
     methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
-                            tuple(trees))
+                            tuple(trees), tuple(block_sizes))
     for method in methods:  # warm-up, untimed
         method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
                    prompts[: method.batch_size])
@@ -265,6 +291,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                 method.decode_seconds += info.total_time - info.prefill_time
                 method.decode_tokens += info.new_tokens - len(outputs)  # the first token comes from prefill
                 method.feature_seconds += info.feature_time
+                method.draft_seconds += info.draft_time
                 for name in ("accepted_at", "proposed_at"):
                     totals, counts = getattr(method, name), getattr(info, name)
                     totals.extend([0] * (len(counts) - len(totals)))
@@ -281,7 +308,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     mismatches, differences = compare_outputs(results)
     strict = target.backend.dtype == torch.float32
     context = sum(map(len, prompts)) // len(prompts) + max_new_tokens // 2
-    costs = {id(engine): model_costs(engine, range(1, max(ks) + 2), context) for engine in engines}
+    widest = max(m.k or 1 for m in methods)
+    costs = {id(engine): model_costs(engine, range(1, widest + 2), context) for engine in engines}
     for engine in engines:  # the verification cost of each tree size
         costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
                                                                           context) for t in trees})
@@ -392,6 +420,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "model_time_bound": bound,
             "efficiency": m.decode_tokens / m.decode_seconds / bound if bound and m.decode_seconds else None,
             "feature_ms_per_step": 1e3 * m.feature_seconds / m.steps if m.steps and m.feature_seconds else None,
+            "draft_ms_per_step": 1e3 * m.draft_seconds / m.steps if m.steps and m.draft_seconds else None,
             "acceptance_by_position": [a / p if p else None for a, p in zip(m.accepted_at, m.proposed_at)] or None,
         })
     forward_costs = None
@@ -443,6 +472,11 @@ def format_table(result: dict) -> str:
         lines.append(f"features for {name} (hidden_states {cost['hidden_layers']}): verifying {cost['tokens']} tokens "
                      f"{cost['verify_ms']:.3f} ms, with features {cost['with_features_ms']:.3f} ms"
                      + (f"; handing them on {min(steps):.3f}-{max(steps):.3f} ms per step" if steps else ""))
+    drafting = [row for row in result["rows"] if row["family"] == DFLASH and row.get("draft_ms_per_step")]
+    if drafting:
+        lines.append("DFlash drafting per step (one pass per block): " + ", ".join(
+            f"block {row['k'] + 1}{' batch ' + str(row['batch_size']) if row['batch_size'] > 1 else ''} "
+            f"{row['draft_ms_per_step']:.3f} ms" for row in drafting))
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
             f"{n}: {ratio:.2f}" for n, ratio in curve["ratio"].items()) + f" (T(1) = {curve['ms']['1']:.2f} ms)")
@@ -466,8 +500,11 @@ def add_bench_command(commands) -> None:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
     bench.add_argument("--drafters", nargs="+", default=[], metavar="NAME[=DIR]",
-                       help="trained drafters to measure too (medusa, eagle, eagle3; SGLang/vLLM names accepted); "
+                       help="trained drafters to measure too (medusa, eagle, eagle3, dflash; SGLang/vLLM names accepted); "
                             "without =DIR the zoo's, trained for the zoo target")
+    bench.add_argument("--block-sizes", nargs="+", type=int, default=[], metavar="B",
+                       help="DFlash: block sizes to measure, the pending token included (k = B - 1; default: "
+                            "the drafter's own)")
     bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
                        help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
     bench.add_argument("--cost-curve", action="store_true",
@@ -520,7 +557,8 @@ def run_bench_command(args) -> int:
     result = run_bench(first.target, first.target.encode(prompts), draft=first.draft, ks=args.k,
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
-                       more_engines=tuple(engines[1:]), trees=tuple(trees), drafters=first.drafters)
+                       more_engines=tuple(engines[1:]), trees=tuple(trees), drafters=first.drafters,
+                       block_sizes=tuple(args.block_sizes))
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
@@ -537,7 +575,7 @@ def parse_drafter(text: str) -> tuple[str, str]:
     name = resolve(name)
     entry = REGISTRY[name]
     if not entry.folder or name == "draft-model":
-        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3), got {name!r}")
+        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash), got {name!r}")
     if not folder:
         from specdec.zoo import zoo_path
         folder = str(zoo_path(entry.zoo))

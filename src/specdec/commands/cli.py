@@ -25,10 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
     add_model_arguments(gen)
     gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
-                     help="none | draft-model | prompt-lookup | medusa | eagle | eagle3 (SGLang's --speculative-"
-                          "algorithm names and vLLM's methods accepted: STANDALONE, NGRAM, MEDUSA, EAGLE, EAGLE3)")
-    gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=5,
-                     help="draft tokens per step, the chain length (default 5)")
+                     help="none | draft-model | prompt-lookup | medusa | eagle | eagle3 | dflash (SGLang's --speculative-"
+                          "algorithm names and vLLM's methods accepted: STANDALONE, NGRAM, MEDUSA, EAGLE, EAGLE3, "
+                          "DFLASH)")
+    gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
+                     help="draft tokens per step, the chain length (default 5; DFlash: its block size - 1)")
+    gen.add_argument("--block-size", type=int, default=None,
+                     help="DFlash: tokens per verified block, the pending one included (default: the drafter's)")
     add_generation_arguments(gen)
     tree = gen.add_argument_group("token trees (instead of chains)")
     tree.add_argument("--tree-depth", "--speculative-num-steps", dest="tree_depth", type=int,
@@ -83,7 +86,7 @@ def run_generate(args) -> int:
     from specdec.backends.target import load_target
 
     # Validate everything cheap before loading any model.
-    config = GenerationConfig(num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens,
+    config = GenerationConfig(num_draft_tokens=5 if args.k is None else args.k, max_new_tokens=args.max_new_tokens,
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
                               seed=args.seed, draft_schedule=args.draft_schedule, tree=tree_config(args))
     if args.sglang_draft_tokens is not None and config.tree is None:
@@ -99,6 +102,9 @@ def run_generate(args) -> int:
     check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
     drafter = make_drafter(args.drafter, args)
+    if args.k is None and args.sglang_draft_tokens is None:
+        from specdec.decode import default_draft_tokens
+        config = dataclasses.replace(config, num_draft_tokens=default_draft_tokens(drafter))
     out = generate_ids(target, target.encode(prompts), drafter, config)
 
     result = {"outputs": [{"index": i, "text": None if out.texts is None else out.texts[i], "token_ids": ids}

@@ -30,7 +30,7 @@ BACKENDS = ("auto", "native", "hf")
 def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool = False) -> None:
     parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (Hugging Face layout)")
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
-                        help="the drafter's folder (draft-model, medusa, eagle, eagle3)")
+                        help="the drafter's folder (draft-model, medusa, eagle, eagle3, dflash)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     if several_backends:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],

@@ -83,19 +83,27 @@ def cmd_train_distill(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    """``specdec train medusa|eagle|eagle3``: one objective per method, the shared loop."""
-    from specdec.train import eagle, medusa
+    """``specdec train medusa|eagle|eagle3|dflash``: one objective per method, the shared loop."""
+    from specdec.train import dflash, eagle, medusa
 
     _check_resume_options(args)
     _set_threads(args.threads)
-    module = medusa if args.train_command == "medusa" else eagle
-    preset = args.preset or ("medusa" if args.train_command == "medusa" else args.train_command)
+    module = {"medusa": medusa, "dflash": dflash}.get(args.train_command, eagle)
+    preset = args.preset or args.train_command
     config = _apply_overrides(module.load_config(args.config, preset), args)
     if module is eagle:
         from dataclasses import replace
 
         config = replace(config, version=3 if args.train_command == "eagle3" else 1)
-    train = medusa.train_medusa if module is medusa else eagle.train_eagle
+    if getattr(args, "init_from", None) is not None:
+        from dataclasses import replace
+
+        if args.resume:
+            raise SpecdecError("--resume continues the checkpoint; drop --init-from")
+        if not (Path(args.init_from) / "config.json").is_file():
+            raise SpecdecError(f"--init-from needs a DFlash folder, got {args.init_from}")
+        config = replace(config, init_from=str(args.init_from))
+    train = {medusa: medusa.train_medusa, dflash: dflash.train_dflash, eagle: eagle.train_eagle}[module]
     summary = train(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
                     max_minutes=args.max_minutes)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
@@ -105,7 +113,7 @@ def cmd_train_drafter(args) -> int:
 def cmd_train_evaluate(args) -> int:
     """``specdec train evaluate``: the offline predicted-tau metric of a trained drafter folder."""
     from specdec.models.eagle import method_of, read_config_json
-    from specdec.train import eagle, medusa
+    from specdec.train import dflash, eagle, medusa
 
     _set_threads(args.threads)
     method = method_of(read_config_json(args.drafter))
@@ -114,8 +122,10 @@ def cmd_train_evaluate(args) -> int:
         metrics = medusa.evaluate_drafter(args.drafter, args.target, cache, args.heldout, choose=args.choose_tree)
     elif "EAGLE" in method:
         metrics = eagle.evaluate_drafter(args.drafter, args.target, cache, args.heldout, args.depth)
+    elif "DFlash" in method:
+        metrics = dflash.evaluate_drafter(args.drafter, args.target, cache, args.heldout)
     else:
-        raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa and EAGLE folders")
+        raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa, EAGLE and DFlash folders")
     choices = metrics.pop("medusa_choices", None)
     sizes = metrics.pop("tree_sizes", None)
     metrics = {k: round(v, 4) for k, v in metrics.items()}
@@ -202,13 +212,17 @@ def add_commands(subparsers) -> None:
 
     for name, text in (("medusa", "Medusa-1 heads on the frozen target's last hidden state"),
                        ("eagle", "an EAGLE-1 drafter (feature regression + token loss)"),
-                       ("eagle3", "an EAGLE-3 drafter (fused low/mid/high features, training-time test)")):
+                       ("eagle3", "an EAGLE-3 drafter (fused low/mid/high features, training-time test)"),
+                       ("dflash", "a DFlash block drafter (fused target layers in every layer's keys and values)")):
         p = train_sub.add_parser(name, help=f"train {text}")
         _common_run_options(p)
         p.add_argument("--target", required=True, type=Path, help="exported target model folder")
         p.set_defaults(func=cmd_train_drafter)
+        if name == "dflash":
+            p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                           help="continue a trained DFlash folder (the long-context phase: --preset dflash-long)")
 
-    p = train_sub.add_parser("evaluate", help="the offline predicted tau of a trained Medusa or EAGLE folder")
+    p = train_sub.add_parser("evaluate", help="the offline predicted tau of a trained Medusa, EAGLE or DFlash folder")
     p.add_argument("--drafter", required=True, type=Path, help="the drafter folder")
     p.add_argument("--target", required=True, type=Path, help="the target it drafts for")
     p.add_argument("--heldout", type=int, default=48, help="held-out prompts (default 48)")
@@ -224,13 +238,13 @@ def add_commands(subparsers) -> None:
 
     zoo = subparsers.add_parser("zoo", help="build the model zoo")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
-    p = zoo_sub.add_parser("build", help="rebuild tokenizer, target, draft, Medusa/EAGLE drafters and task sets")
+    p = zoo_sub.add_parser("build", help="rebuild tokenizer, target, draft, Medusa/EAGLE/DFlash drafters and task sets")
     p.add_argument("--out", type=Path, default=None, help="zoo folder (default: the package's zoo/data)")
     p.add_argument("--work-dir", type=Path, default=Path("runs/zoo-build"), help="checkpoints and logs (default runs/zoo-build)")
     p.add_argument("--target-minutes", type=float, default=None, help="wall-time cap for target training")
     p.add_argument("--distill-minutes", type=float, default=None, help="wall-time cap for distillation")
     p.add_argument("--drafter-minutes", type=float, default=None,
-                   help="wall-time cap for each of Medusa, EAGLE-1 and EAGLE-3 training")
+                   help="wall-time cap for each of Medusa, EAGLE-1, EAGLE-3 and DFlash training")
     p.add_argument("--preset", default="zoo", help="zoo (default) or tiny (a quick smoke build)")
     p.add_argument("--resume", action="store_true", help="resume interrupted training stages from the work dir")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

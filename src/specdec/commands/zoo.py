@@ -1,5 +1,5 @@
-"""``specdec zoo build``: corpus -> tokenizer -> target -> distilled draft -> Medusa, EAGLE-1 and
-EAGLE-3 drafters for the target -> task sets.
+"""``specdec zoo build``: corpus -> tokenizer -> target -> distilled draft -> Medusa, EAGLE-1, EAGLE-3
+and DFlash drafters for the target -> task sets.
 
 Every stage is deterministic given the interpreter's stdlib and the seeds in the
 presets. Checkpoints live in a work dir (not in the zoo), so an interrupted
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdec.train import distill, eagle, medusa, target
+from specdec.train import dflash, distill, eagle, medusa, target
 from specdec.train.loop import list_checkpoints
 from specdec.zoo import corpus, data_dir, tasks
 from specdec.zoo import tokenizer as zoo_tokenizer
@@ -34,7 +34,7 @@ def build_zoo(
     out = Path(out) if out is not None else data_dir()
     work_dir = Path(work_dir)
     target_ckpt, draft_ckpt = work_dir / "target-checkpoints", work_dir / "draft-checkpoints"
-    drafter_ckpts = {name: work_dir / f"{name}-checkpoints" for name in ("medusa", "eagle", "eagle3")}
+    drafter_ckpts = {name: work_dir / f"{name}-checkpoints" for name in ("medusa", "eagle", "eagle3", "dflash")}
     if not resume:
         for folder in (target_ckpt, draft_ckpt, *drafter_ckpts.values()):
             shutil.rmtree(folder, ignore_errors=True)
@@ -63,7 +63,8 @@ def build_zoo(
     offline = {}
     for name, ckpt in drafter_ckpts.items():  # the drafters that read the target's features
         stage = time.monotonic()
-        module, train = (medusa, medusa.train_medusa) if name == "medusa" else (eagle, eagle.train_eagle)
+        module, train = {"medusa": (medusa, medusa.train_medusa), "dflash": (dflash, dflash.train_dflash)}.get(
+            name, (eagle, eagle.train_eagle))
         drafter_preset = name if preset == "zoo" else preset
         config = module.load_config(None, drafter_preset)
         if module is eagle:

@@ -1,11 +1,12 @@
 """Drafters: every method that proposes tokens, behind one protocol (base.py), listed in registry.py."""
 
 from specdec.drafters.base import DecodeContext, Drafter, DraftSession, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.dflash import DFlash
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.eagle import Eagle
 from specdec.drafters.medusa import Medusa
 from specdec.drafters.none import NoDraft
 from specdec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "FeatureSpec", "Medusa", "NoDraft",
+__all__ = ["DFlash", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "FeatureSpec", "Medusa", "NoDraft",
            "PromptLookup", "Proposal", "TargetFeatures"]

@@ -50,10 +50,7 @@ class Eagle:
         dtype = target.backend.dtype
         key = (id(target), dtype)
         if key not in self._runtimes:
-            reason = kernels.available() or (None if kernels.supported_dtype(dtype) else f"dtype {dtype}")
-            if reason or target.device.type != "cpu":
-                raise UnsupportedModelError(f"EAGLE drafters run on specdec's CPU kernels: "
-                                            f"{reason or f'the target is on {target.device}'}")
+            require_kernels(target, "EAGLE drafters")
             self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(),
                                                       target.output_head() if self.version == 1 else None, dtype)}
         return self._runtimes[key]
@@ -61,6 +58,15 @@ class Eagle:
     def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":
         self.check_target(context.target)
         return EagleSession(self.runtime(context.target), context, seqs.batch_size)
+
+
+def require_kernels(target, what: str) -> None:
+    """Refuse in one line when a drafter network's kernels cannot run next to ``target``."""
+    dtype = target.backend.dtype
+    reason = kernels.available() or (None if kernels.supported_dtype(dtype) else f"dtype {dtype}")
+    if reason or target.device.type != "cpu":
+        raise UnsupportedModelError(f"{what} run on specdec's CPU kernels: "
+                                    f"{reason or f'the target is on {target.device}'}")
 
 
 def check_target(drafter, record, hidden: int, vocab: int, target, what: str) -> None:

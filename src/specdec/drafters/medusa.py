@@ -14,9 +14,9 @@ import torch
 
 from specdec.batch import Sequences
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
-from specdec.models import kernels, medusa
+from specdec.models import medusa
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
-from specdec.drafters.eagle import check_target
+from specdec.drafters.eagle import check_target, require_kernels
 from specdec.drafters.tree import static_tree
 
 
@@ -55,10 +55,7 @@ class Medusa:
             raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees, which Medusa needs")
         dtype = target.backend.dtype
         if self._runtime is None or self._runtime.dtype != dtype:
-            reason = kernels.available() or (None if kernels.supported_dtype(dtype) else f"dtype {dtype}")
-            if reason or target.device.type != "cpu":
-                raise UnsupportedModelError(f"Medusa heads run on specdec's CPU kernels: "
-                                            f"{reason or f'the target is on {target.device}'}")
+            require_kernels(target, "Medusa heads")
             self._runtime = medusa.MedusaRuntime(self.net, dtype)
         return MedusaSession(self, self._runtime)
 

@@ -56,6 +56,11 @@ def _eagle(version):
     return build
 
 
+def _dflash(folder, options):
+    from specdec.drafters.dflash import DFlash
+    return DFlash(folder, block_size=getattr(options, "block_size", None))
+
+
 REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("none", "plain decoding, no drafts", ("NONE",), build=_none),
     DrafterEntry("draft-model", "a small causal LM with the target's vocabulary", ("STANDALONE", "draft_model"),
@@ -68,6 +73,8 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
                  zoo="eagle", trees=True, build=_eagle(1)),
     DrafterEntry("eagle3", "EAGLE-3: one layer over fused low/mid/high target features", ("EAGLE3",), folder=True,
                  zoo="eagle3", trees=True, build=_eagle(3)),
+    DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
+                 folder=True, zoo="dflash", build=_dflash),
 )}
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from specdec.errors import DrafterMismatchError, ModelLoadError
 from specdec.backends.native import NativeCache
 from specdec.models import kernels, llama
-from specdec.models.files import check_weights
+from specdec.models.files import load_weights_into, save_net
 from specdec.models.layers import MLP, Attention, RMSNorm, causal_mask
 
 EAGLE1_ARCH = "LlamaForCausalLMEagle"
@@ -185,6 +185,8 @@ def method_of(data: dict) -> str:
         return "an EAGLE-1 drafter"
     if "medusa_num_heads" in data:
         return "a Medusa drafter"
+    if arch == "DFlashDraftModel":
+        return "a DFlash drafter"
     if arch:
         return f"a {arch} model"
     return "no drafter specdec knows"
@@ -304,9 +306,7 @@ class EagleNet(nn.Module):
 def save(net: EagleNet, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
          extra: dict[str, str] | None = None) -> Path:
     """Write config.json, model.safetensors (and ``extra`` text files) to ``out_dir``, atomically."""
-    from specdec.models.files import save_folder
-
-    return save_folder(out_dir, net.config.to_json(), WEIGHTS, net.state_dict(), dtype, extra)
+    return save_net(net, out_dir, WEIGHTS, dtype, extra)
 
 
 def load_config(path: str | os.PathLike) -> EagleConfig:
@@ -320,12 +320,7 @@ def load_net(path: str | os.PathLike, expect_version: int | None = None) -> Eagl
     if expect_version is not None and config.version != expect_version:
         raise DrafterMismatchError(f"{path} holds an EAGLE-{config.version} drafter, not EAGLE-{expect_version}; "
                                    f"use --drafter {config.name}")
-    weights = llama.read_weights(path)
-    net = EagleNet(config)
-    expected = net.state_dict()
-    check_weights(weights, expected, path / WEIGHTS)
-    net.load_state_dict({name: weights[name].to(value.dtype) for name, value in expected.items()})
-    return net.eval()
+    return load_weights_into(EagleNet(config), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +342,6 @@ class EagleRuntime:
 
         layer = llama.pack_layer(get, prefix, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                  dtype, input_norm=False)
-        h = config.hidden_size
         if config.version == 3:
             head = llama.matrix(state["lm_head.weight"], dtype, state["norm.weight"])
             self.in_norm = state[prefix + "input_layernorm.weight"].to(dtype)
@@ -360,15 +354,7 @@ class EagleRuntime:
             self.head_eps = None
         self.fc = llama.matrix(state["fc.weight"], dtype)
         self.fc_bias = llama.small(state.get("fc.bias"), dtype)
-        core_config = types.SimpleNamespace(max_position_embeddings=config.max_position_embeddings)
-        self.core = llama.Llama(config=core_config, embed=embed.to(dtype).contiguous(), layers=[layer],
-                                norm=torch.ones(h, dtype=dtype), head=head,
-                                inv_freq=llama.inverse_frequencies(types.SimpleNamespace(
-                                    rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}),
-                                    config.head_dim),
-                                heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                                head_dim=config.head_dim, eps=config.rms_norm_eps)
-        llama.bind_layers(self.core)
+        self.core = llama.drafter_core(config, embed, [layer], head, dtype)
 
     def new_cache(self, batch_size: int, capacity: int | None) -> "FeatureCache":
         return FeatureCache(self, batch_size, capacity)

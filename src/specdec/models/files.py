@@ -54,3 +54,21 @@ def check_weights(weights: dict, expected: dict, file) -> None:
         if tuple(weights[name].shape) != tuple(value.shape):
             raise ModelLoadError(f"{file}: {name} has shape {tuple(weights[name].shape)}, config.json implies "
                                  f"{tuple(value.shape)}")
+
+
+def save_net(net, out_dir, weights_file: str, dtype, extra: dict[str, str] | None = None):
+    """A drafter network's folder: its config's config.json and its state dict, atomically."""
+    return save_folder(out_dir, net.config.to_json(), weights_file, net.state_dict(), dtype, extra)
+
+
+def load_weights_into(net, folder):
+    """``net`` with the folder's model.safetensors loaded (shapes checked, one-line errors), in eval mode."""
+    from pathlib import Path
+
+    from specdec.models.llama import read_weights
+
+    weights = read_weights(Path(folder))
+    expected = net.state_dict()
+    check_weights(weights, expected, Path(folder) / "model.safetensors")
+    net.load_state_dict({name: weights[name].to(value.dtype) for name, value in expected.items()})
+    return net.eval()

@@ -38,9 +38,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
 
 
 class Attention(nn.Module):
-    """Multi-head attention whose input may be wider than the model (EAGLE-3 reads 2 h)."""
+    """Multi-head attention whose input may be wider than the model (EAGLE-3 reads 2 h).
 
-    def __init__(self, in_size: int, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float):
+    qk_norm_eps: Qwen3's RMSNorm of every query and key head before RoPE (``q_norm``, ``k_norm``).
+    """
+
+    def __init__(self, in_size: int, hidden: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(in_size, heads * head_dim, bias=False)
@@ -48,6 +52,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_size, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta), persistent=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """(q, k, v) [B, heads, T, D] of x [B, T, in] at positions [B, T], RoPE applied."""
@@ -56,9 +63,15 @@ class Attention(nn.Module):
         def split(t, heads):
             return t.view(batch, length, heads, self.head_dim).transpose(1, 2)
 
-        q = rope(split(self.q_proj(x), self.heads), positions, self.inv_freq)
-        k = rope(split(self.k_proj(x), self.kv_heads), positions, self.inv_freq)
-        return q, k, split(self.v_proj(x), self.kv_heads)
+        q = split(self.q_proj(x), self.heads)
+        return rope(self.q_norm(q) if hasattr(self, "q_norm") else q, positions, self.inv_freq), *self.keys(x, positions)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor):
+        """(k, v) [B, kv, T, D] of x [B, T, in] at positions [B, T], RoPE (and the key norm) applied."""
+        batch, length, _ = x.shape
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rope(self.k_norm(k) if hasattr(self, "k_norm") else k, positions, self.inv_freq), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, heads, T, D] over k, v [B, kv, S, D] where mask [T, S] (or [B, 1, T, S]) is True -> [B, T, h]."""

@@ -393,6 +393,21 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return model
 
 
+def drafter_core(config, embed: torch.Tensor, layers: list[Layer], head: Matrix, dtype: torch.dtype) -> Llama:
+    """The kernels' model of a drafter network: its packed layers, the target's embedding and a head;
+    ``config`` gives the attention shape, ``rope_theta``, ``rms_norm_eps`` and ``max_position_embeddings``
+    (default RoPE). Its ``norm`` is all ones (the drafter applies its own norms)."""
+    import types
+
+    rope = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+    core = Llama(config=types.SimpleNamespace(max_position_embeddings=config.max_position_embeddings),
+                 embed=embed.to(dtype).contiguous(), layers=layers, norm=torch.ones(embed.shape[1], dtype=dtype),
+                 head=head, inv_freq=inverse_frequencies(rope, config.head_dim), heads=config.num_attention_heads,
+                 kv_heads=config.num_key_value_heads, head_dim=config.head_dim, eps=config.rms_norm_eps)
+    bind_layers(core)
+    return core
+
+
 def bind_layers(model: Llama) -> None:
     """Give every layer its kernel parameters (after the model's sizes are known)."""
     for layer in model.layers:

@@ -1,9 +1,9 @@
 """The model zoo: a tokenizer, a target, a distilled draft and task sets, all built offline.
 
 ``zoo_path("target")`` / ``zoo_path("draft")`` give folders that load with
-``transformers.AutoModelForCausalLM.from_pretrained``; ``zoo_path("medusa")``, ``zoo_path("eagle")``
-and ``zoo_path("eagle3")`` are drafters trained for the zoo target, in the layouts serving engines
-load. See docs/zoo.md.
+``transformers.AutoModelForCausalLM.from_pretrained``; ``zoo_path("medusa")``, ``zoo_path("eagle")``,
+``zoo_path("eagle3")`` and ``zoo_path("dflash")`` are drafters trained for the zoo target, in the
+layouts serving engines load. See docs/zoo.md.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from specdec.errors import SpecdecError
 
 MODEL_NAMES = ("target", "draft")          # causal LMs (load with transformers)
-DRAFTER_NAMES = ("medusa", "eagle", "eagle3")  # trained drafters for the zoo target (their own layouts)
+DRAFTER_NAMES = ("medusa", "eagle", "eagle3", "dflash")  # trained drafters for the zoo target (their own layouts)
 _DATA_DIR = Path(__file__).resolve().parent / "data"
 
 

@@ -1,0 +1,108 @@
+"""DFlash session: a whole block of drafts in one drafter pass over the target's fused features.
+
+The drafter's cache holds one column per committed token: each layer's keys and values of that
+token's fused context (models/dflash.py). ``observe`` only keeps the target's features of the
+tokens a step committed; the next ``propose`` enters them and drafts in the same pass:
+[new context ; anchor, mask, ..., mask], the anchor being the pending token (the last one the target
+produced, whose own features do not exist yet). The block's columns are dropped right after, so a
+rejected draft never leaves anything behind and ``accepted`` has nothing to roll back.
+
+Drafts are the argmax of each block slot (greedy), or samples of each slot's own distribution
+(sampling): the slots are predicted in parallel, so slot j's distribution does not depend on the
+drafts before it, and the verifier's chain rule stays exact with those distributions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.batch import Sequences
+from specdec.errors import InvalidArgumentError
+from specdec.models import dflash
+from specdec.sampling import probabilities, sample
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.eagle import check_target, require_kernels
+
+
+class DFlash:
+    """A DFlash folder. ``block_size``: verify blocks of this many tokens (the pending one and
+    block_size - 1 drafts), at most the trained one (the default)."""
+
+    name = "dflash"
+
+    def __init__(self, path: str | os.PathLike, block_size: int | None = None):
+        self.path = str(path)
+        self.net = dflash.load_net(path)
+        self.config = self.net.config
+        trained = self.config.block_size
+        block_size = trained if block_size is None else int(block_size)
+        if not 2 <= block_size <= trained:
+            raise InvalidArgumentError(f"DFlash block size must be in 2..{trained} (the drafter in {self.path} "
+                                       f"was trained with blocks of {trained}), got {block_size}")
+        self.block_size = block_size
+        self.default_draft_tokens = block_size - 1  # what a generation without an explicit k drafts
+        self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
+        self._runtimes: dict = {}
+
+    def check_target(self, target) -> None:
+        check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
+                     f"the DFlash drafter in {self.path}")
+        if not 0 <= self.config.mask_token_id < target.vocab_size:
+            raise InvalidArgumentError(f"the DFlash drafter's mask token {self.config.mask_token_id} is not a row of "
+                                       f"the target's embedding ({target.vocab_size} rows)")
+
+    def runtime(self, target) -> dflash.DFlashRuntime:
+        key = (id(target), target.backend.dtype)
+        if key not in self._runtimes:
+            require_kernels(target, "DFlash drafters")
+            self._runtimes = {key: dflash.DFlashRuntime(self.net, target.input_embeddings(), target.output_head(),
+                                                        target.backend.dtype)}
+        return self._runtimes[key]
+
+    def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":
+        self.check_target(context.target)
+        if context.tree is not None:
+            raise InvalidArgumentError("DFlash drafts chains (one block per step); token-tree options do not apply")
+        return DFlashSession(self.runtime(context.target), context, seqs.batch_size, self.block_size)
+
+
+class DFlashSession:
+    def __init__(self, runtime: dflash.DFlashRuntime, context: DecodeContext, batch_size: int, block_size: int):
+        self.runtime = runtime
+        self.block_size = block_size
+        self.sampling, self.generator = context.sampling, context.generator
+        capacity = None if context.cache_capacity is None else context.cache_capacity + block_size
+        self.cache = runtime.new_cache(batch_size, capacity)
+        self.states: torch.Tensor | None = None  # [B, m, F] features not yet in the cache
+        self.valid: torch.Tensor | None = None   # [B, m]
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        states = features.states.flatten(2)
+        if self.states is None:
+            self.states, self.valid = states, features.valid
+        else:  # observed twice without drafting in between: both wait, in order
+            self.states = torch.cat([self.states, states.to(self.states.dtype)], dim=1)
+            self.valid = torch.cat([self.valid, features.valid], dim=1)
+
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        drafts = max(1, min(k, self.block_size - 1))
+        anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending tokens
+        out = self.cache.draft(self.states, self.valid, anchors, drafts + 1)  # [B, drafts + 1, H]
+        self.states = self.valid = None
+        self.cache.compact()
+        logits = self.runtime.logits(out[:, 1:])  # slot 0 is the anchor: it predicts nothing
+        lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
+        if self.sampling.greedy:
+            return Proposal(logits.argmax(-1), lengths)
+        probs = probabilities(logits.float(), self.sampling)  # [B, drafts, V]
+        return Proposal(sample(probs, self.generator), lengths, probs)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass  # the cache holds committed context only; the accepted tokens' features come with ``observe``
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.select_rows(index)
+        if self.states is not None:
+            self.states, self.valid = self.states.index_select(0, index), self.valid.index_select(0, index)

@@ -1,0 +1,266 @@
+"""Train a DFlash drafter against a frozen target (the objective; the loop is loop.py).
+
+* Data: the target's own continuations of train-split prompts (features.py), features computed on
+  the fly by the frozen target.
+* Anchors: up to ``anchors`` positions per sequence, drawn uniformly without replacement among
+  generated positions whose next token exists (as at inference, where the anchor is the last token
+  the target committed); a pure function of the step, so ``--resume`` is bit-identical.
+* One pass trains every block of a sequence: the block-sparse mask lets block n see the context
+  strictly before its anchor (the anchor's own features do not exist yet at inference) and its own
+  block, nothing else (``dflash.block_attention``).
+* Loss: slot k of a block (k = 1..B-1) learns the target's distribution of token anchor + k (soft
+  cross-entropy to the frozen target's logits at anchor + k - 1), weighted exp(-(k - 1) / gamma):
+  one early mistake invalidates the rest of the block, so early slots count more.
+* The offline metric: every generated position of the held-out greedy continuations drafts a
+  block exactly as inference does (the same one-pass mask is the inference pattern), for each block
+  size; ``walk`` turns the per-position acceptance into the tau a generation would measure.
+* An optional second phase (``long_context``) continues on long sequences: the target's
+  continuations of long train-split windows, since drafters trained on short contexts lose
+  acceptance on long ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import SpecdecError
+from specdec.models import dflash
+from specdec.train import config as train_config
+from specdec.train import data
+from specdec.train.config import config_to_dict
+from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, acceptance_summary, leading_matches,
+                                    prepare_run, warn_if_useless)
+from specdec.train.loop import OptimConfig, run_loop
+
+
+class DFlashTrainError(SpecdecError):
+    pass
+
+
+@dataclass(frozen=True)
+class DFlashShape:
+    layers: int = 3
+    block_size: int = 16
+    target_features: int = 3      # target layers fused (spread shallow to deep)
+    intermediate: int = 0         # 0: the target's intermediate size
+
+
+@dataclass(frozen=True)
+class DFlashTrainConfig(DataRecipe):
+    shape: DFlashShape = field(default_factory=DFlashShape)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=1500, lr=2e-3, warmup_steps=60,
+                                                                   eval_every=250, ckpt_every_steps=100))
+    anchors: int = 32             # blocks per training sequence
+    gamma: float = 7.0            # slot weight exp(-(k - 1) / gamma); 0 = uniform
+    eval_blocks: tuple[int, ...] = (4, 8, 16)
+    init_from: str = ""           # a DFlash folder to continue (the long-context phase); its shape wins
+
+
+PRESETS: dict[str, DFlashTrainConfig] = {
+    "dflash": DFlashTrainConfig(),
+    # The second phase: the target's continuations of long train-split windows (about the zoo's
+    # long-context prompts), fewer sequences per step for the same tokens, a lower learning rate.
+    "dflash-long": DFlashTrainConfig(batch_size=2, train_sequences=256, prefix_len=960, generated_len=64,
+                                     generation_batch=16, optim=OptimConfig(steps=300, lr=5e-4, warmup_steps=20,
+                                                                            eval_every=100, ckpt_every_steps=50)),
+    "tiny": DFlashTrainConfig(shape=DFlashShape(layers=1, block_size=4, target_features=2),
+                              optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
+                              anchors=4, eval_blocks=(2, 4), **TINY_DATA),
+}
+
+
+def load_config(path: str | None, preset: str) -> DFlashTrainConfig:
+    return train_config.load_config(DFlashTrainConfig, PRESETS, path, preset, "DFlash training")
+
+
+def config_from_dict(values: dict[str, Any]) -> DFlashTrainConfig:
+    config = train_config.config_from_dict(DFlashTrainConfig, values, "DFlash training")
+    return replace(config, eval_blocks=tuple(config.eval_blocks))
+
+
+def mask_token_for(target) -> int:
+    """A row of the target's embedding that never occurs inside a text: its pad token when that is
+    not also EOS, else the last row."""
+    pad = target.pad_token_id
+    if 0 <= pad < target.vocab_size and pad not in (target.eos_token_ids or []):
+        return int(pad)
+    return int(target.vocab_size) - 1
+
+
+def sample_anchors(valid: torch.Tensor, prompt_len: torch.Tensor, count: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [b, N] sorted, anchor_valid [b, N]): up to ``count`` positions a per row, uniformly
+    without replacement, with a generated (prompt_len <= a) and its next token present (a + 1 < length)."""
+    lengths = valid.sum(1, keepdim=True)
+    index = torch.arange(valid.shape[1])[None, :]
+    candidate = (index >= prompt_len.reshape(-1, 1)) & (index + 1 < lengths)
+    scores = torch.rand(valid.shape, generator=generator).masked_fill(~candidate, -1.0)
+    count = min(count, valid.shape[1])
+    top, picked = scores.topk(count, dim=1)
+    ok = top >= 0
+    anchors = torch.where(ok, picked, valid.shape[1])  # invalid ones sort last
+    anchors, order = anchors.sort(dim=1)
+    ok = ok.gather(1, order)
+    return anchors.masked_fill(~ok, 0), ok
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] weight of each block slot: 0 for the anchor, exp(-(k - 1) / gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma) if gamma > 0 else torch.ones(block_size)
+    weights[0] = 0.0
+    return weights
+
+
+class Objective:
+    """Loss and offline metric of DFlash, given the frozen target."""
+
+    def __init__(self, config: DFlashTrainConfig, frozen: FrozenTarget, net_config: dflash.DFlashConfig):
+        self.config, self.frozen, self.net_config = config, frozen, net_config
+        self.layers = net_config.hidden_layers()
+
+    def outputs(self, net: dflash.DFlashNet, tokens, valid, anchors, block_size: int):
+        """(draft logits [b, N, B-1, V], target logits [b, T, V]) of every block at ``anchors``."""
+        features, logits = self.frozen.run(tokens, valid, self.layers)
+        ids = dflash.block_inputs(tokens, anchors, block_size, self.net_config.mask_token_id)
+        out = net.blocks(features, F.embedding(ids, self.frozen.embed), anchors)
+        return out[:, :, 1:] @ self.frozen.head.t(), logits
+
+    def loss(self, net: dflash.DFlashNet, batch) -> torch.Tensor:
+        tokens, valid, anchors, ok = batch
+        size = self.net_config.block_size
+        draft, logits = self.outputs(net, tokens, valid, anchors, size)       # [b, N, B-1, V], [b, T, V]
+        slots = torch.arange(1, size)
+        source = anchors[:, :, None] + slots - 1                                 # logits predicting anchor + k
+        exists = (source + 1 < valid.sum(1)[:, None, None]) & ok[:, :, None]    # [b, N, B-1]
+        b, n, _ = source.shape
+        target = logits.gather(1, source.clamp(max=tokens.shape[1] - 1).reshape(b, -1, 1).expand(
+            -1, -1, logits.shape[-1])).view(b, n, size - 1, -1)
+        ce = -(torch.softmax(target, -1) * torch.log_softmax(draft, -1)).sum(-1)  # [b, N, B-1]
+        weight = slot_weights(size, self.config.gamma)[1:] * exists.float()
+        return (ce * weight).sum() / weight.sum().clamp(min=1e-9)
+
+    @torch.no_grad()
+    def evaluate(self, net: dflash.DFlashNet, held, blocks: tuple[int, ...] | None = None) -> dict[str, float]:
+        """Offline acceptance on held-out greedy continuations: a block drafted at every generated
+        position, for each block size; keys ``b{B}_tau`` (predicted tau of that block),
+        ``accept_{j}`` (the trained block's P(first j accepted)) and ``tau_k{k}``."""
+        net.eval()
+        blocks = tuple(b for b in (blocks or self.config.eval_blocks) if 2 <= b <= self.net_config.block_size)
+        largest = max(blocks)
+        out: dict[str, float] = {}
+        for size in blocks:
+            accepted, walks = [], []
+            for start in range(0, held.tokens.shape[0], 4):
+                rows = torch.arange(start, min(start + 4, held.tokens.shape[0]))
+                tokens, valid = held.batch(rows)
+                prompt_len = held.prompt_len[rows]
+                length = tokens.shape[1]
+                generated = int((held.lengths[rows] - prompt_len).max())
+                anchors = (prompt_len[:, None] + torch.arange(generated)).clamp(max=length - 1)  # generated positions
+                ok = anchors + 1 < valid.sum(1, keepdim=True)
+                draft, _ = self.outputs(net, tokens, valid, anchors, size)
+                guess = draft.argmax(-1)                                           # [b, N, B-1]
+                label = anchors[:, :, None] + torch.arange(1, size)
+                truth = tokens.gather(1, label.clamp(max=length - 1).reshape(len(rows), -1)).view_as(guess)
+                real = label < valid.sum(1)[:, None, None]
+                counts = leading_matches((guess == truth) & real) * ok             # [b, N] per anchor
+                accepted.append(counts[ok])
+                for i, row in enumerate(rows):
+                    # walk's index t is the last feature's position: anchor t + 1
+                    per_t = counts.new_zeros(length)
+                    per_t[anchors[i] - 1] = counts[i]
+                    walks.append((per_t, int(prompt_len[i]) - 1, int(held.lengths[row])))
+            summary = acceptance_summary(torch.cat(accepted), size - 1, walks)
+            out[f"b{size}_tau"] = summary[f"tau_k{size - 1}"]
+            if size == largest:
+                out.update(summary)
+        return out
+
+
+def batch_maker(run, salt: int):
+    """Batches (tokens, valid, anchors, anchor_valid) as a pure function of the step."""
+    config = run.config
+
+    def batch_for(step: int):
+        generator = data.step_generator(config.seed, step, salt=salt)
+        rows = torch.randint(0, run.train.tokens.shape[0], (config.batch_size,), generator=generator)
+        tokens, valid = run.train.batch(rows)
+        anchors, ok = sample_anchors(valid, run.train.prompt_len[rows], config.anchors, generator)
+        return tokens, valid, anchors, ok
+    return batch_for
+
+
+def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
+                 resume: bool = False, max_minutes: float | None = None,
+                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train (or resume) a DFlash drafter for the target in ``target_dir``; save it to ``out_dir``."""
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    run = prepare_run("dflash", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
+    config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
+    shape = config.shape
+    if shape.layers < 1 or shape.block_size < 2 or shape.target_features < 1:
+        raise DFlashTrainError(f"a DFlash drafter needs >= 1 layer, block size >= 2 and >= 1 target feature, got "
+                               f"{shape.layers}, {shape.block_size}, {shape.target_features}")
+    torch.manual_seed(config.seed)
+    if config.init_from:
+        net = dflash.load_net(config.init_from)
+        warning = net.config.target.check(target, f"the DFlash drafter in {config.init_from}", net.config.hidden_size,
+                                          net.config.vocab_size, net.config.hidden_layers())
+        if warning:
+            raise DFlashTrainError(warning)
+        net_config = replace(net.config, target=dflash.TargetRecord.of(target), training={})
+        net.config = net_config
+        net.train()
+    else:
+        net_config = dflash.DFlashConfig.for_target(target, shape.layers, shape.block_size, mask_token_for(target),
+                                                    num_target_features=shape.target_features,
+                                                    intermediate_size=shape.intermediate or None)
+        net = dflash.DFlashNet(net_config)
+    frozen = FrozenTarget(target_dir)
+    objective = Objective(config, frozen, net_config)
+    run_config = {"kind": "dflash", "dflash": config_to_dict(config), "target": target.fingerprint()}
+    result = run_loop(model=net, config=config.optim, batch_fn=batch_maker(run, salt=31), loss_fn=objective.loss,
+                      tokens_in=lambda batch: int(batch[3].sum()) * net_config.block_size,
+                      eval_fn=lambda m: objective.evaluate(m, held, (net_config.block_size,)), ckpt_dir=run.ckpt_dir, run_config=run_config,
+                      resume=resume, max_minutes=max_minutes, desc="dflash", log=log)
+    from specdec.train.target import round_to_export_dtype_
+
+    round_to_export_dtype_(net)
+    final = objective.evaluate(net, held)
+    key = f"b{max(b for b in config.eval_blocks if b <= net_config.block_size)}_tau"
+    useless = warn_if_useless(final, key, log, "dflash")
+    summary = {
+        "kind": "dflash", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
+        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
+        "train_sequences": int(train.tokens.shape[0]), "heldout_tokens": held.num_tokens,
+        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        "initialised_from": config.init_from or None, "mask_token_id": net_config.mask_token_id, "target_layer_ids": list(net_config.target_layer_ids),
+        "offline": {k: round(v, 4) for k, v in final.items()}, "low_acceptance_warning": useless,
+        "history": result.history, "config": config_to_dict(config),
+    }
+    net.config = dflash.with_training(net_config, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
+                                                                           "offline")})
+    dflash.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    return summary
+
+
+def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
+                     log: Callable[[str], None] = print, held=None) -> dict[str, float]:
+    """The offline metric of a saved DFlash folder on the held-out prompts."""
+    from specdec.backends.target import load_target
+    from specdec.train.features import heldout_data
+
+    net = dflash.load_net(path)
+    target = load_target(target_dir)
+    if held is None:
+        held = heldout_data(Path(target_dir), target.fingerprint(), cache_dir, heldout_sequences, 16, 0, log)
+    blocks = tuple(b for b in (2, 4, 8, 16, 32) if b <= net.config.block_size)
+    objective = Objective(DFlashTrainConfig(eval_blocks=blocks), FrozenTarget(target_dir), net.config)
+    return objective.evaluate(net, held)
