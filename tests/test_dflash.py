@@ -115,6 +115,23 @@ def test_sampling_keeps_the_targets_distribution(temperature, top_k, top_p, mode
     assert chi_square_p(sampled_pairs(target, prompt, DFlash(dflash_dirs["llama"]), config), exact) > P_VALUE
 
 
+def test_sampling_with_the_trained_zoo_drafter_keeps_the_targets_distribution():
+    """Drafts that are often accepted: the rejection rule's every branch is exercised."""
+    from specdec.zoo import ZooError, zoo_path
+
+    try:
+        folder = zoo_path("dflash")
+    except ZooError:
+        pytest.skip("the zoo has no trained DFlash drafter")
+    target = specdec.load_target(zoo_path("target"), dtype=torch.bfloat16, backend="native")
+    target.eos_token_ids = ()
+    prompt = target.encode(["def add(a, b):\n    return a +"])[0]
+    config = SamplingConfig(1.0, 6, None)
+    exact = native_two_token_distribution(target, prompt, config)
+    samples = sampled_pairs(target, prompt, DFlash(folder), config)
+    assert chi_square_p(samples, exact) > P_VALUE
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_runtime_computes_the_training_pass(dtype, model_dirs):
     """Context entered step by step into the drafter's cache, then a block: the same outputs as the
@@ -272,3 +289,23 @@ def test_bad_folders_and_cli(dflash_dirs, model_dirs, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["stats"]["drafter"] == "dflash" and len(result["outputs"][0]["token_ids"]) == 12
     assert result["stats"]["mean_k"] > 1  # the block's drafts, not k = 1
+
+
+def test_bench_measures_dflash_beside_transformers_dflash(model_dirs, dflash_dirs, tmp_path):
+    from specdec.commands.bench import format_table, run_bench
+
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    target.eos_token_ids = ()
+    prompts = target.encode(PROMPTS[:2])
+    second = shutil.copytree(dflash_dirs["llama"], tmp_path / "other")
+    drafters = (("dflash", DFlash(dflash_dirs["llama"])), ("dflash", DFlash(second)))
+    result = run_bench(target, prompts, ks=[2], max_new_tokens=10, progress=False, drafters=drafters,
+                       block_sizes=(3, 5))
+    assert result["outputs_identical"], result["mismatches"]
+    rows = {row["method"]: row for row in result["rows"]}
+    for k in (2, 4):  # blocks 3 and 5, for each folder; transformers' DFlash on the first one's weights
+        mine = rows[f"specdec dflash k={k} (llama)"]
+        assert mine["ratio_vs_transformers"] is not None and mine["draft_ms_per_step"] > 0
+        assert rows[f"specdec dflash k={k} (other)"]["ratio_vs_transformers"] is None
+        assert rows[f"transformers dflash k={k} (llama)"]["tau"] >= 1.0
+    assert "DFlash drafting per step" in format_table(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,7 +116,7 @@ class ForwardCounter:
 
 
 def transformers_method(target: Target, model, family: str, draft_model, k: int | None, max_new_tokens: int,
-                        max_ngram: int, counter: ForwardCounter):
+                        max_ngram: int, counter: ForwardCounter, note: str = ""):
     """transformers' generate() on ``model`` (the target's weights as a transformers model)."""
     extra = {}
     if family in (DRAFT_MODEL, DFLASH):
@@ -149,7 +150,7 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
                     tokens = tokens[: i + 1]
                     break
         return [tokens], counter.count - before
-    return Method(family, "transformers", k, 1, run)
+    return Method(family, "transformers", k, 1, run, note=note)
 
 
 def transformers_model(model: Target | DraftModel):
@@ -195,13 +196,14 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                                    max_ngram, counter))
             methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
                                                counter))
-        for name, drafter in engines[0].drafters:
-            if name == DFLASH:
-                from specdec.models.dflash import hf_assistant
+        first = next(((n, d) for n, d in engines[0].drafters if n == DFLASH), None)
+        for name, drafter in [first] if first else []:  # the first DFlash drafter named
+            from specdec.models.dflash import hf_assistant
 
-                assistant = hf_assistant(drafter.net, model.config, model.dtype, model.device)
-                methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
-                                                counter) for k in dflash_ks(drafter, block_sizes)]
+            assistant = hf_assistant(drafter.net, model.config, model.dtype, model.device)
+            methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
+                                            counter, drafter_note(engines[0], name, drafter))
+                        for k in dflash_ks(drafter, block_sizes)]
     return methods
 
 
@@ -209,6 +211,16 @@ def dflash_ks(drafter, block_sizes) -> list[int]:
     """Drafts per step of each DFlash block size measured (block - 1; default: the drafter's own block)."""
     sizes = [b for b in block_sizes if b <= drafter.config.block_size] or [drafter.block_size]
     return [b - 1 for b in sizes]
+
+
+def drafter_note(engine: Engine, name: str, drafter) -> str:
+    """Tells apart two drafters of one method measured together (their folders' names)."""
+    same = [d for other, d in engine.drafters if other == name]
+    if len(same) < 2:
+        return ""
+    names = [Path(getattr(d, "path", "") or name).name for d in same]
+    index = next(i for i, d in enumerate(same) if d is drafter)
+    return f"({names[index]})" if names.count(names[index]) == 1 else f"({names[index]} #{index + 1})"
 
 
 def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str,
@@ -225,7 +237,9 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
             continue
         chain_ks = dflash_ks(drafter, block_sizes) if name == DFLASH else ks
-        methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag) for k in chain_ks]
+        note = drafter_note(engine, name, drafter)
+        methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
+                    for k in chain_ks]
         if entry.trees:
             methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
                         for tree in trees]
@@ -390,9 +404,10 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
 
 def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_tokens: int, repeats: int,
            costs: dict | None = None) -> dict:
-    def find(impl, tag, family, k, batch_size, tree=None):
+    def find(impl, tag, family, k, batch_size, tree=None, note=""):
         for m in methods:
-            if (m.impl, m.tag, m.family, m.k, m.batch_size, m.tree) == (impl, tag, family, k, batch_size, tree):
+            if (m.impl, m.tag, m.family, m.k, m.batch_size, m.tree, m.note) == (impl, tag, family, k, batch_size,
+                                                                                tree, note):
                 return m
         return None
 
@@ -400,10 +415,10 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
     for m in methods:
         plain = find("specdec", m.tag, PLAIN, None, m.batch_size) if m.impl == "specdec" else \
             find("transformers", "", PLAIN, None, 1)
-        peer = find("transformers", "", m.family, m.k, 1) if m.impl == "specdec" and m.batch_size == 1 \
-            and m.tree is None else None
-        single = find("specdec", m.tag, m.family, m.k, 1, m.tree) if m.impl == "specdec" and m.batch_size > 1 \
-            else None
+        peer = find("transformers", "", m.family, m.k, 1, note=m.note) if m.impl == "specdec" \
+            and m.batch_size == 1 and m.tree is None else None
+        single = find("specdec", m.tag, m.family, m.k, 1, m.tree, m.note) if m.impl == "specdec" \
+            and m.batch_size > 1 else None
         bound = model_time_bound(m, costs[id(m.engine)]) if costs and m.engine is not None else None
         rows.append({
             "method": m.label, "impl": m.impl, "backend": m.engine.backend if m.engine else "transformers",
@@ -475,8 +490,7 @@ def format_table(result: dict) -> str:
     drafting = [row for row in result["rows"] if row["family"] == DFLASH and row.get("draft_ms_per_step")]
     if drafting:
         lines.append("DFlash drafting per step (one pass per block): " + ", ".join(
-            f"block {row['k'] + 1}{' batch ' + str(row['batch_size']) if row['batch_size'] > 1 else ''} "
-            f"{row['draft_ms_per_step']:.3f} ms" for row in drafting))
+            f"{row['method'].removeprefix('specdec ')} {row['draft_ms_per_step']:.3f} ms" for row in drafting))
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
             f"{n}: {ratio:.2f}" for n, ratio in curve["ratio"].items()) + f" (T(1) = {curve['ms']['1']:.2f} ms)")

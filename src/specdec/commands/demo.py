@@ -1,7 +1,7 @@
 """`specdec demo`: every method on held-out prompts, outputs checked identical, the fastest first.
 
 With the zoo installed it runs the zoo's target with every drafter trained for it (the distilled
-draft model, Medusa, EAGLE-1, EAGLE-3) beside prompt lookup and transformers' own implementations,
+draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup and transformers' own implementations,
 one thread, on held-out code-completion prompts; without it, tiny random models built on the spot.
 """
 
@@ -20,6 +20,7 @@ DEMO_PROMPTS = [
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
 ]
 DEMO_TREE = TreeConfig(depth=4, topk=2, num_nodes=6)  # the trees the trained drafters are shown with
+DEMO_BLOCKS = (8,)  # DFlash's block in the demo (docs/benchmarks.md: the fastest block on the zoo here)
 
 
 def _models(workdir: Path):
@@ -72,7 +73,8 @@ def run_demo(args) -> int:
         drafters = tuple((name, build(name, folder)) for name, folder in trained)
         prompts = target.encode(texts)
         result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
-                           progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else ())
+                           progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),
+                           block_sizes=DEMO_BLOCKS)
     best = fastest(result)
     verdict = "greedy outputs identical to plain decoding" if result["outputs_identical"] else "OUTPUTS DIFFER"
     if best is not None:
