@@ -217,7 +217,11 @@ def test_transformers_dflash_runs_the_same_weights(model_dirs, dflash_dirs, hf_m
     model = hf_models["llama"]
     target = specdec.load_target(model_dirs["llama"], backend="native")
     net = dflash.load_net(dflash_dirs["llama"])
-    exported = dflash.export_hf(net, model.config, tmp_path / "hf")
+    from specdec.commands.cli import main
+
+    exported = tmp_path / "hf"
+    assert main(["train", "export", "--drafter", str(dflash_dirs["llama"]), "--target", str(model_dirs["llama"]),
+                 "--out", str(exported)]) == 0
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "muse_glimmer_assistant"
     assert (config["block_size"], config["target_layer_ids"]) == (BLOCK, list(net.config.target_layer_ids))

@@ -89,7 +89,6 @@ def test_feature_drafters_match_transformers_greedy(arch, targets, hf_models, dr
             assert alone.token_ids == [reference[2]], f"{drafter.name} {setting} alone"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 def bfloat16_with_eos(folder, max_new_tokens=40):
     """(native bfloat16 target, prompts, plain outputs) with an EOS chosen so that some rows stop at it
     and others at the limit."""
@@ -103,6 +102,7 @@ def bfloat16_with_eos(folder, max_new_tokens=40):
     return target, prompts, reference
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, drafter_dirs):
     target, prompts, reference = bfloat16_with_eos(model_dirs[arch])
     for drafter in all_drafters(drafter_dirs[arch]):

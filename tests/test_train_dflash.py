@@ -41,7 +41,7 @@ def test_slot_weights_favour_early_positions():
     assert td.slot_weights(4, 0).tolist() == [0, 1, 1, 1]
 
 
-def test_training_lowers_the_loss_and_saves_a_drafter_that_decodes_exactly(tmp_path):
+def test_training_lowers_the_loss_and_saves_a_drafter_that_decodes_exactly(tmp_path, capsys):
     summary = td.train_dflash(td.PRESETS["tiny"], zoo_path("target"), tmp_path / "out", **QUIET)
     losses = [r["loss"] for r in history(tmp_path / "out" / "checkpoints")]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
@@ -54,6 +54,13 @@ def test_training_lowers_the_loss_and_saves_a_drafter_that_decodes_exactly(tmp_p
     prompts = target.encode(["def f(x):\n    return", "import os\n"])
     plain = specdec.generate(target, prompts, max_new_tokens=12)
     assert specdec.generate(target, prompts, drafter=drafter, max_new_tokens=12).token_ids == plain.token_ids
+
+    # the offline metric of the saved folder, from the command line
+    assert main(["train", "evaluate", "--drafter", str(tmp_path / "out"), "--target", str(zoo_path("target")),
+                 "--heldout", "4", "--cache-dir", str(tmp_path / "out" / "checkpoints")]) == 0
+    import json
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"b2_tau", "b4_tau", "accept_3"} <= set(printed) and printed["b4_tau"] == pytest.approx(offline["b4_tau"], abs=1e-3)
 
     # the second phase continues this drafter (its shape wins over the preset's)
     base = td.PRESETS["tiny"]

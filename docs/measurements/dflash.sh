@@ -31,7 +31,10 @@ done
 
 # Training (one thread each; the zoo's drafter is dflash-long, copied to src/specdec/zoo/data/dflash):
 #   specdec train dflash --target $Z --out $RUNS/dflash --steps 1200 --max-minutes 58
-#   specdec train dflash --target $Z --out $RUNS/dflash1 --config layers1.json --steps 1100 --max-minutes 50
-#   specdec train dflash --target $Z --out $RUNS/dflash2 --config layers2.json --max-minutes 30
+#   specdec train dflash --target $Z --out $RUNS/dflash1 --config layers1.json --steps 1100   (killed at 300, --resume)
+#   specdec train dflash --target $Z --out $RUNS/dflash2 --config layers2.json --steps 700 --max-minutes 32
 #   specdec train dflash --target $Z --out $RUNS/dflash-long --preset dflash-long --init-from $RUNS/dflash
 # with layers1.json = {"shape": {"layers": 1}} and layers2.json = {"shape": {"layers": 2}}.
+# Plus, phase 1 against phase 2 on code-completion (dflash-long-phase-code.json):
+#   specdec bench $COMMON --tasks code-completion -k 4 --drafters dflash=$RUNS/dflash dflash=$RUNS/dflash-long eagle \
+#     --block-sizes 4 8 16 --no-transformers --output $OUT/dflash-long-phase-code.json

@@ -77,6 +77,12 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def load_config(path: str | os.PathLike):
+    """The transformers config of a model directory (checked as ``check_model_dir`` does)."""
+    with quiet():
+        return AutoConfig.from_pretrained(check_model_dir(path))
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -20,7 +20,7 @@ DEMO_PROMPTS = [
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
 ]
 DEMO_TREE = TreeConfig(depth=4, topk=2, num_nodes=6)  # the trees the trained drafters are shown with
-DEMO_BLOCKS = (8,)  # DFlash's block in the demo (docs/benchmarks.md: the fastest block on the zoo here)
+DEMO_BLOCKS = (4,)  # DFlash's block in the demo: the fastest on the zoo here (docs/benchmarks.md)
 
 
 def _models(workdir: Path):

@@ -137,6 +137,19 @@ def cmd_train_evaluate(args) -> int:
     return 0
 
 
+def cmd_train_export(args) -> int:
+    """``specdec train export``: a DFlash folder as transformers' own DFlash assistant."""
+    from specdec.backends import hf
+    from specdec.models import dflash
+
+    net = dflash.load_net(args.drafter)
+    config = hf.load_config(args.target)
+    dflash.export_hf(net, config, args.out)
+    print(f"wrote {args.out}: load it with transformers.AutoModel.from_pretrained and pass it to "
+          f"generate(assistant_model=..., speculation_type=\"dflash\")")
+    return 0
+
+
 def record_offline(folder: Path, metrics: dict, choices=None) -> None:
     """Store a held-out evaluation in the folder's config.json (specdec.training.offline) and
     training_summary.json (and a newly chosen Medusa tree in config.json), each file replaced atomically."""
@@ -235,6 +248,13 @@ def add_commands(subparsers) -> None:
                                                          "training_summary.json, key offline)")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_train_evaluate)
+
+    p = train_sub.add_parser("export", help="write a DFlash folder as transformers' DFlash assistant "
+                                            "(generate(assistant_model=..., speculation_type=\"dflash\"))")
+    p.add_argument("--drafter", required=True, type=Path, help="the DFlash folder")
+    p.add_argument("--target", required=True, type=Path, help="the target it drafts for (its token ids)")
+    p.add_argument("--out", required=True, type=Path, help="the assistant's folder (written atomically)")
+    p.set_defaults(func=cmd_train_export)
 
     zoo = subparsers.add_parser("zoo", help="build the model zoo")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
