@@ -24,6 +24,8 @@ specdec bench $COMMON --tasks long-context -k 4 --drafters dflash=$RUNS/dflash d
 echo "== code-completion at batch 1, 4 and 8"
 specdec bench $COMMON --tasks code-completion -k 4 --drafters dflash eagle --block-sizes 8 16 \
   --batch-sizes 1 4 8 --no-transformers --output $OUT/dflash-batches.json
+echo "== temperature 0.7 (every zoo drafter, DFlash at blocks 4 and 8)"
+python docs/measurements/sampled_tau.py 0.7 > $OUT/dflash-sampled.json
 echo "== offline predicted tau (held-out validation prompts)"
 for d in $Z/../dflash $RUNS/dflash1 $RUNS/dflash2 $RUNS/dflash; do
   specdec train evaluate --drafter $d --target $Z --cache-dir $RUNS/eval

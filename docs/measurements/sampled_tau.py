@@ -9,7 +9,7 @@ import sys
 import torch
 
 import specdec
-from specdec.drafters import DraftModel, Eagle, Medusa, NoDraft
+from specdec.drafters import DFlash, DraftModel, Eagle, Medusa, NoDraft
 from specdec.zoo import zoo_path
 from specdec.zoo.tasks import load_tasks
 
@@ -19,7 +19,8 @@ target = specdec.load_target(zoo_path("target"), backend="native")
 prompts = target.encode(load_tasks("code-completion")[:20])
 methods = [("plain", NoDraft(), 1), ("draft-model k=4", DraftModel(zoo_path("draft")), 4),
            ("medusa", Medusa(zoo_path("medusa")), 1), ("eagle k=4", Eagle(zoo_path("eagle")), 4),
-           ("eagle3 k=4", Eagle(zoo_path("eagle3")), 4), ("eagle3 k=6", Eagle(zoo_path("eagle3")), 6)]
+           ("eagle3 k=4", Eagle(zoo_path("eagle3")), 4), ("eagle3 k=6", Eagle(zoo_path("eagle3")), 6),
+           ("dflash block 4", DFlash(zoo_path("dflash")), 3), ("dflash block 8", DFlash(zoo_path("dflash")), 7)]
 rows = {}
 for name, drafter, k in methods:
     specdec.generate(target, prompts[:1], drafter=drafter, num_draft_tokens=k, max_new_tokens=16,
