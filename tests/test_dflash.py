@@ -24,8 +24,7 @@ from specdec.sampling import SamplingConfig
 from specdec.train.dflash import mask_token_for
 from specdec.commands.tiny import save_tiny
 
-from test_exact_generation import native_two_token_distribution, plain, sampled_pairs
-from test_feature_drafters import bfloat16_with_eos
+from test_exact_generation import bfloat16_with_eos, plain, sampled_pairs, sampling_case
 from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
 from test_sampling import P_VALUE, chi_square_p
 
@@ -107,11 +106,8 @@ def test_trained_zoo_dflash_equals_plain_decoding():
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 6, None), (1.2, 5, 0.95)])
 def test_sampling_keeps_the_targets_distribution(temperature, top_k, top_p, model_dirs, dflash_dirs):
-    target = specdec.load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
-    target.eos_token_ids = ()
-    prompt = target.encode(["x = x + 1\nx = x"])[0]
     config = SamplingConfig(temperature, top_k, top_p)
-    exact = native_two_token_distribution(target, prompt, config)
+    target, prompt, exact = sampling_case(model_dirs["llama"], config)
     assert chi_square_p(sampled_pairs(target, prompt, DFlash(dflash_dirs["llama"]), config), exact) > P_VALUE
 
 
@@ -123,11 +119,8 @@ def test_sampling_with_the_trained_zoo_drafter_keeps_the_targets_distribution():
         folder = zoo_path("dflash")
     except ZooError:
         pytest.skip("the zoo has no trained DFlash drafter")
-    target = specdec.load_target(zoo_path("target"), dtype=torch.bfloat16, backend="native")
-    target.eos_token_ids = ()
-    prompt = target.encode(["def add(a, b):\n    return a +"])[0]
     config = SamplingConfig(1.0, 6, None)
-    exact = native_two_token_distribution(target, prompt, config)
+    target, prompt, exact = sampling_case(zoo_path("target"), config, "def add(a, b):\n    return a +")
     samples = sampled_pairs(target, prompt, DFlash(folder), config)
     assert chi_square_p(samples, exact) > P_VALUE
 

@@ -92,15 +92,33 @@ def native_two_token_distribution(target, prompt, config: SamplingConfig) -> tor
     ("draft-tree", 1.0, 6, None),
 ])
 def test_bfloat16_sampling_keeps_the_targets_distribution(drafter_kind, temperature, top_k, top_p, model_dirs):
-    target = specdec.load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
-    target.eos_token_ids = ()
-    prompt = target.encode(["x = x + 1\nx = x"])[0]
     config = SamplingConfig(temperature, top_k, top_p)
-    exact = native_two_token_distribution(target, prompt, config)
+    target, prompt, exact = sampling_case(model_dirs["llama"], config)
     drafter = {"draft": DraftModel(model_dirs["llama-draft"], dtype=torch.bfloat16, backend="native"),
                "self": DraftModel(target), "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
     assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
+
+
+def sampling_case(folder, config: SamplingConfig, text: str = "x = x + 1\nx = x"):
+    """(native bfloat16 target without EOS, the prompt's ids, its exact two-token distribution)."""
+    target = specdec.load_target(folder, dtype=torch.bfloat16, backend="native")
+    target.eos_token_ids = ()
+    prompt = target.encode([text])[0]
+    return target, prompt, native_two_token_distribution(target, prompt, config)
+
+
+def bfloat16_with_eos(folder, max_new_tokens=40):
+    """(native bfloat16 target, prompts, plain outputs) with an EOS chosen so that some rows stop at it
+    and others at the limit."""
+    target = specdec.load_target(folder, dtype=torch.bfloat16, backend="native")
+    prompts = target.encode(PROMPTS)
+    target.eos_token_ids = ()
+    free = plain(target, prompts, max_new_tokens)
+    target.eos_token_ids = ([t for row in free for t in row[3:] if any(t not in other for other in free)][0],)
+    reference = plain(target, prompts, max_new_tokens)
+    assert any(r[-1] in target.eos_token_ids for r in reference) and any(len(r) == max_new_tokens for r in reference)
+    return target, prompts, reference
 
 
 def sampled_pairs(target, prompt, drafter, config: SamplingConfig, tree=None, rows: int = 1500) -> torch.Tensor:

@@ -23,7 +23,7 @@ from specdec.models import eagle, medusa
 from specdec.sampling import SamplingConfig
 from specdec.commands.tiny import save_tiny
 
-from test_exact_generation import native_two_token_distribution, plain, sampled_pairs
+from test_exact_generation import bfloat16_with_eos, plain, sampled_pairs, sampling_case
 from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
 from test_sampling import P_VALUE, chi_square_p
 
@@ -89,19 +89,6 @@ def test_feature_drafters_match_transformers_greedy(arch, targets, hf_models, dr
             assert alone.token_ids == [reference[2]], f"{drafter.name} {setting} alone"
 
 
-def bfloat16_with_eos(folder, max_new_tokens=40):
-    """(native bfloat16 target, prompts, plain outputs) with an EOS chosen so that some rows stop at it
-    and others at the limit."""
-    target = specdec.load_target(folder, dtype=torch.bfloat16, backend="native")
-    prompts = target.encode(PROMPTS)
-    target.eos_token_ids = ()
-    free = plain(target, prompts, max_new_tokens)
-    target.eos_token_ids = ([t for row in free for t in row[3:] if any(t not in other for other in free)][0],)
-    reference = plain(target, prompts, max_new_tokens)
-    assert any(r[-1] in target.eos_token_ids for r in reference) and any(len(r) == max_new_tokens for r in reference)
-    return target, prompts, reference
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, drafter_dirs):
     target, prompts, reference = bfloat16_with_eos(model_dirs[arch])
@@ -139,11 +126,8 @@ def test_trained_zoo_drafters_equal_plain_decoding():
     ("medusa", 1.0, 6, None),
 ])
 def test_sampling_keeps_the_targets_distribution(kind, temperature, top_k, top_p, model_dirs, drafter_dirs):
-    target = specdec.load_target(model_dirs["llama"], dtype=torch.bfloat16, backend="native")
-    target.eos_token_ids = ()
-    prompt = target.encode(["x = x + 1\nx = x"])[0]
     config = SamplingConfig(temperature, top_k, top_p)
-    exact = native_two_token_distribution(target, prompt, config)
+    target, prompt, exact = sampling_case(model_dirs["llama"], config)
     name = kind.removesuffix("-tree")
     drafter = Medusa(drafter_dirs["llama"]["medusa"]) if name == "medusa" else Eagle(drafter_dirs["llama"][name])
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if kind.endswith("-tree") else None

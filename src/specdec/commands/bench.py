@@ -196,13 +196,13 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                                    max_ngram, counter))
             methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
                                                counter))
-        first = next(((n, d) for n, d in engines[0].drafters if n == DFLASH), None)
-        for name, drafter in [first] if first else []:  # the first DFlash drafter named
+        drafter = next((d for n, d in engines[0].drafters if n == DFLASH), None)  # the first DFlash named
+        if drafter is not None:
             from specdec.models.dflash import hf_assistant
 
             assistant = hf_assistant(drafter.net, model.config, model.dtype, model.device)
             methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
-                                            counter, drafter_note(engines[0], name, drafter))
+                                            counter, drafter_note(engines[0], DFLASH, drafter))
                         for k in dflash_ks(drafter, block_sizes)]
     return methods
 

@@ -80,13 +80,14 @@ def tree_config(args):
 
 
 def run_generate(args) -> int:
-    from specdec.decode import GenerationConfig, generate_ids
+    from specdec.decode import DEFAULT_DRAFT_TOKENS, GenerationConfig, default_draft_tokens, generate_ids
     from specdec.prompts import read_prompts
     from specdec.sampling import SamplingConfig
     from specdec.backends.target import load_target
 
     # Validate everything cheap before loading any model.
-    config = GenerationConfig(num_draft_tokens=5 if args.k is None else args.k, max_new_tokens=args.max_new_tokens,
+    config = GenerationConfig(num_draft_tokens=DEFAULT_DRAFT_TOKENS if args.k is None else args.k,
+                              max_new_tokens=args.max_new_tokens,
                               sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
                               seed=args.seed, draft_schedule=args.draft_schedule, tree=tree_config(args))
     if args.sglang_draft_tokens is not None and config.tree is None:
@@ -102,8 +103,7 @@ def run_generate(args) -> int:
     check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
     drafter = make_drafter(args.drafter, args)
-    if args.k is None and args.sglang_draft_tokens is None:
-        from specdec.decode import default_draft_tokens
+    if args.k is None and args.sglang_draft_tokens is None:  # the drafter's own k (DFlash: its block - 1)
         config = dataclasses.replace(config, num_draft_tokens=default_draft_tokens(drafter))
     out = generate_ids(target, target.encode(prompts), drafter, config)
 

@@ -84,17 +84,12 @@ def cmd_train_distill(args) -> int:
 
 def cmd_train_drafter(args) -> int:
     """``specdec train medusa|eagle|eagle3|dflash``: one objective per method, the shared loop."""
-    from specdec.train import dflash, eagle, medusa
+    from specdec.train.features import drafter_training
 
     _check_resume_options(args)
     _set_threads(args.threads)
-    module = {"medusa": medusa, "dflash": dflash}.get(args.train_command, eagle)
-    preset = args.preset or args.train_command
-    config = _apply_overrides(module.load_config(args.config, preset), args)
-    if module is eagle:
-        from dataclasses import replace
-
-        config = replace(config, version=3 if args.train_command == "eagle3" else 1)
+    config, train = drafter_training(args.train_command, args.config, args.preset or args.train_command)
+    config = _apply_overrides(config, args)
     if getattr(args, "init_from", None) is not None:
         from dataclasses import replace
 
@@ -103,7 +98,6 @@ def cmd_train_drafter(args) -> int:
         if not (Path(args.init_from) / "config.json").is_file():
             raise SpecdecError(f"--init-from needs a DFlash folder, got {args.init_from}")
         config = replace(config, init_from=str(args.init_from))
-    train = {medusa: medusa.train_medusa, dflash: dflash.train_dflash, eagle: eagle.train_eagle}[module]
     summary = train(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
                     max_minutes=args.max_minutes)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))

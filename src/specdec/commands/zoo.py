@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdec.train import dflash, distill, eagle, medusa, target
+from specdec.train import distill, target
+from specdec.train.features import drafter_training
 from specdec.train.loop import list_checkpoints
 from specdec.zoo import corpus, data_dir, tasks
 from specdec.zoo import tokenizer as zoo_tokenizer
@@ -63,14 +64,7 @@ def build_zoo(
     offline = {}
     for name, ckpt in drafter_ckpts.items():  # the drafters that read the target's features
         stage = time.monotonic()
-        module, train = {"medusa": (medusa, medusa.train_medusa), "dflash": (dflash, dflash.train_dflash)}.get(
-            name, (eagle, eagle.train_eagle))
-        drafter_preset = name if preset == "zoo" else preset
-        config = module.load_config(None, drafter_preset)
-        if module is eagle:
-            from dataclasses import replace
-
-            config = replace(config, version=3 if name == "eagle3" else 1)
+        config, train = drafter_training(name, None, name if preset == "zoo" else preset)
         summary = train(config, out / "target", out / name, ckpt_dir=ckpt, resume=resume and bool(list_checkpoints(ckpt)),
                         max_minutes=drafter_minutes)
         offline[name] = summary["offline"]

@@ -59,11 +59,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """(q, k, v) [B, heads, T, D] of x [B, T, in] at positions [B, T], RoPE applied."""
         batch, length, _ = x.shape
-
-        def split(t, heads):
-            return t.view(batch, length, heads, self.head_dim).transpose(1, 2)
-
-        q = split(self.q_proj(x), self.heads)
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         return rope(self.q_norm(q) if hasattr(self, "q_norm") else q, positions, self.inv_freq), *self.keys(x, positions)
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor):

@@ -226,6 +226,21 @@ def anchor_mask(valid: torch.Tensor, prompt_len, pairs: int, depth: int) -> torc
     return (index + 1 >= prompt_len) & (index + depth < lengths)
 
 
+def drafter_training(name: str, config_path: str | None, preset: str):
+    """(configuration, train function) of the drafter method ``name`` (medusa, eagle, eagle3, dflash):
+    its preset, or a JSON file over it; EAGLE's version follows the name."""
+    from dataclasses import replace
+
+    from specdec.train import dflash, eagle, medusa
+
+    module, train = {"medusa": (medusa, medusa.train_medusa), "dflash": (dflash, dflash.train_dflash)}.get(
+        name, (eagle, eagle.train_eagle))
+    config = module.load_config(config_path, preset)
+    if module is eagle:
+        config = replace(config, version=3 if name == "eagle3" else 1)
+    return config, train
+
+
 def warn_if_useless(metrics: dict[str, float], key: str, log: Callable[[str], None], what: str) -> bool:
     """Say loudly when the predicted tau shows the drafter barely helps; returns whether it did."""
     tau = metrics.get(key)
