@@ -29,6 +29,16 @@ def plain(target, prompts, max_new_tokens):
             for p in prompts]
 
 
+def assert_equal_to(target, prompts, reference, runs, max_new_tokens):
+    """Every (drafter, generate options) of ``runs`` gives ``reference`` on the ragged batch ``prompts``
+    and on its third prompt alone."""
+    for drafter, setting in runs:
+        out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=max_new_tokens, **setting)
+        assert out.token_ids == reference, f"{drafter.name} {setting} batch"
+        alone = specdec.generate(target, [prompts[2]], drafter=drafter, max_new_tokens=max_new_tokens, **setting)
+        assert alone.token_ids == [reference[2]], f"{drafter.name} {setting} alone"
+
+
 def check_against_plain(target, prompts, drafters, max_new_tokens, ks=(1, 4, 8), alone=(0, 2)):
     reference = plain(target, prompts, max_new_tokens)
     for drafter in drafters:

@@ -23,7 +23,7 @@ from specdec.models import eagle, medusa
 from specdec.sampling import SamplingConfig
 from specdec.commands.tiny import save_tiny
 
-from test_exact_generation import bfloat16_with_eos, plain, sampled_pairs, sampling_case
+from test_exact_generation import assert_equal_to, bfloat16_with_eos, plain, sampled_pairs, sampling_case
 from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
 from test_sampling import P_VALUE, chi_square_p
 
@@ -79,14 +79,10 @@ def test_feature_drafters_match_transformers_greedy(arch, targets, hf_models, dr
     prompts = target.encode(PROMPTS)
     eos, reference = reference_with_stop(target, model, prompts)
     assert any(r and r[-1] == eos for r in reference) and any(len(r) == MAX_NEW for r in reference)
-    for drafter in all_drafters(drafter_dirs[arch]):
-        if isinstance(drafter, Medusa) and not target.backend.supports_trees:
-            continue
-        for setting in settings_for(drafter, target.backend.supports_trees):
-            out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, **setting)
-            assert out.token_ids == reference, f"{drafter.name} {setting} batch"
-            alone = specdec.generate(target, [prompts[2]], drafter=drafter, max_new_tokens=MAX_NEW, **setting)
-            assert alone.token_ids == [reference[2]], f"{drafter.name} {setting} alone"
+    runs = [(drafter, setting) for drafter in all_drafters(drafter_dirs[arch])
+            if not (isinstance(drafter, Medusa) and not target.backend.supports_trees)
+            for setting in settings_for(drafter, target.backend.supports_trees)]
+    assert_equal_to(target, prompts, reference, runs, MAX_NEW)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

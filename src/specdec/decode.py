@@ -133,6 +133,9 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
 
     # Prefill: the whole prompt, left-padded; its last logits give the first new token.
     cache = target.new_cache(batch, context.cache_capacity)
+    if hasattr(session, "share_cache"):  # self-drafting: the drafter runs the target's first layers in it
+        session.share_cache(cache)
+    verify_forward = getattr(session, "verify_forward", None) or target.forward
     tick = time.perf_counter()
     tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
     logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=layers)
@@ -171,8 +174,8 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
         tick = time.perf_counter()
         process = processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg, proposal.tokens,
                                                                proposal.parents))
-        num_accepted, next_token, accepted, keep, hidden = _verify(target, cache, seqs, proposal, config.sampling,
-                                                                   generator, process, layers)
+        num_accepted, next_token, accepted, keep, hidden = _verify(verify_forward, cache, seqs, proposal,
+                                                                   config.sampling, generator, process, layers)
         # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
         if proposal.k:
             cache.truncate(cache.lengths - proposal.lengths + num_accepted, keep)
@@ -252,9 +255,12 @@ def committed_features(hidden: torch.Tensor, keep: torch.Tensor | None, counts: 
     return TargetFeatures(states, valid)
 
 
-def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
+def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
             sampling: SamplingConfig, generator: torch.Generator, process=None, layers: tuple[int, ...] = ()):
     """One target pass over [pending, drafts]: the chain, or the whole tree under a tree mask.
+
+    forward: ``Target.forward``, or the session's ``verify_forward`` when it drafted with the target's
+    own first layers (it then runs only the rest of the network on the drafts).
 
     Returns (num_accepted [B], next_token [B], accepted tokens [B, D] (row b keeps its first
     num_accepted[b]), keep [B, k+1] bool over the block's columns for trees, else None, hidden
@@ -265,8 +271,8 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]
     if not proposal.is_tree:
-        logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=proposal.k + 1,
-                                        hidden_layers=layers)  # [B, k+1, V]
+        logits, hidden = forward(cache, tokens, valid, logits_to_keep=proposal.k + 1,
+                                 hidden_layers=layers)  # [B, k+1, V]
         if process is not None:
             logits = process(logits)
         if sampling.greedy:
@@ -282,8 +288,8 @@ def _verify(target: Target, cache, seqs: Sequences, proposal: Proposal,
     mask[:, 1:, 1:] = ancestor_mask(parents, lengths)
     depth = torch.cat([torch.zeros_like(pending), proposal.depths()], dim=1)
     positions = (seqs.lengths - 1)[:, None] + depth
-    logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=size + 1, block_mask=mask, positions=positions,
-                                    hidden_layers=layers)
+    logits, hidden = forward(cache, tokens, valid, logits_to_keep=size + 1, block_mask=mask, positions=positions,
+                             hidden_layers=layers)
     if process is not None:
         logits = process(logits)
     if sampling.greedy:

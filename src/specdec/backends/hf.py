@@ -701,3 +701,66 @@ def dflash_assistant(config: dict, state: dict, dtype: torch.dtype = torch.float
         raise ModelLoadError(f"transformers' DFlash assistant does not take these weights: "
                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.to(device).eval()
+
+
+def first_layers(model: torch.nn.Module, count: int) -> torch.nn.Module:
+    """A view of ``model`` that runs only its first ``count`` decoder layers, then its final norm and
+    head (early-exit drafting on transformers: the weights are shared, nothing is copied).
+
+    transformers' decoders loop over ``layers[: config.num_hidden_layers]``, so the view is a shallow
+    copy of the model and of its decoder with a config saying ``count`` layers (caches made for it
+    hold ``count`` layers); the original model and its config are untouched.
+    """
+    import copy
+
+    decoder = model.get_decoder()
+    config = copy.deepcopy(decoder.config)
+    config.num_hidden_layers = count
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:count]
+    view_decoder = copy.copy(decoder)
+    view_decoder._modules = dict(decoder._modules)
+    view_decoder.config = config
+    view = copy.copy(model)
+    view._modules = {name: (view_decoder if module is decoder else module) for name, module in model._modules.items()}
+    if not any(module is view_decoder for module in view._modules.values()):
+        raise UnsupportedModelError(f"{model_type(model)}: cannot find its decoder to run its first layers")
+    view.config = config
+    return view
+
+
+def mtp_layer_count(config) -> int:
+    """MTP layers a checkpoint's config declares (``num_nextn_predict_layers`` / ``num_mtp_layers``), 0 if none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "num_mtp_layers", None) or getattr(text, "num_nextn_predict_layers", None) or 0)
+
+
+def enable_mtp(model: torch.nn.Module) -> int:
+    """Let transformers find ``model``'s MTP layers (its ``generate(use_mtp=True)`` and ``MtpModel``).
+
+    transformers reads them only for architectures that declare ``num_mtp_layers`` and list the layer
+    names among the keys a plain load ignores, and DeepSeek-V3's list names layer 61 (the released
+    model's). This states both for this model's own depth: ``num_mtp_layers`` and the names of layers
+    L .. L + n - 1. Returns n; 0 (and nothing changed) when the config declares no MTP layers.
+    """
+    count = mtp_layer_count(model.config)
+    if count:
+        text = model.config.get_text_config()
+        text.num_mtp_layers = count
+        if getattr(text, "layer_types", None) and not getattr(text, "mtp_layer_types", None):
+            text.mtp_layer_types = ["full_attention"] * count  # what an MTP module attends to, when not stated
+        layers = int(text.num_hidden_layers)
+        model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layers + i}\..*" for i in range(count)]
+    return count
+
+
+def mtp_model(model: torch.nn.Module):
+    """transformers' ``MtpModel`` holding ``model``'s MTP layers, read from its checkpoint folder."""
+    from transformers.modeling_layers import MtpModel
+
+    if not enable_mtp(model):
+        raise UnsupportedModelError(f"{model_type(model)} declares no MTP layers (num_nextn_predict_layers)")
+    try:
+        return MtpModel.from_pretrained(model, device_map={"": next(model.parameters()).device}).eval()
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the MTP layers of {model.config.name_or_path}: {first_line(exc)}") from None

@@ -75,6 +75,7 @@ class NativeCache(RaggedCache):
         model.reserve(capacity)
         self.scratch: dict[tuple[int, int], llama.Scratch] = {}  # (B, n) -> work buffers
         self._stop: int | None = None
+        self._resume: tuple[torch.Tensor, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -99,6 +100,22 @@ class NativeCache(RaggedCache):
             return self.forward(tokens, valid, 1, hidden_layers, block_mask, positions)
         finally:
             self._stop = None
+
+    def begin_at(self, hidden: torch.Tensor, valid: torch.Tensor, layer: int,
+                 hidden_layers: tuple[int, ...] = ()) -> Block:
+        """Append a block whose layers [0, layer) already ran at these very columns: ``hidden`` [B, n, H]
+        is its input of layer ``layer``. Nothing below ``layer`` runs, so those layers' cache entries at
+        the new columns must still be in place (blocks that computed them and were then rolled back with
+        ``truncate``, which keeps the entries). Returns the block at ``layer``, for ``finish``."""
+        if any(0 <= i < layer for i in hidden_layers):
+            raise InvalidArgumentError(f"hidden_layers {hidden_layers}: a block resumed at layer {layer} has no "
+                                       f"states below it")
+        self._resume, self._stop = (hidden, layer), layer
+        try:
+            return self.forward(torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device), valid, 1,
+                                hidden_layers)
+        finally:
+            self._resume, self._stop = None, None
 
     @torch.inference_mode()
     def advance(self, block: Block, stop: int) -> Block:
@@ -157,11 +174,15 @@ class NativeCache(RaggedCache):
         if any(not -count <= i < count for i in hidden_layers):
             raise InvalidArgumentError(f"hidden_layers {hidden_layers} outside [-{count}, {count})")
         hidden_layers = tuple(i % count for i in hidden_layers)
-        x = self._inputs(tokens)  # [B * n, H]
+        start = 0
+        if self._resume is not None:  # begin_at: the block enters at a later layer
+            x, start = self._resume[0].reshape(batch * n, -1).to(model.dtype).contiguous(), self._resume[1]
+        else:
+            x = self._inputs(tokens)  # [B * n, H]
         flat = positions.reshape(-1).contiguous()
         work = self._scratch(batch, n)
-        block = Block(x, (batch, n), past, 0, flat, masks, llama.block_params(model, self.kv, past, flat, work), work,
-                      hidden_layers)
+        block = Block(x, (batch, n), past, start, flat, masks, llama.block_params(model, self.kv, past, flat, work),
+                      work, hidden_layers)
         if 0 in hidden_layers:
             block.taps[0] = block.states
         return block
@@ -186,7 +207,9 @@ class NativeCache(RaggedCache):
 
     def _grow(self, past: int, needed: int) -> None:
         kv = self.kv.new_zeros(*self.kv.shape[:4], max(needed, 2 * self.capacity), self.kv.shape[5])
-        kv[:, :, :, :, :past] = self.kv[:, :, :, :, :past]
+        # Every column moves, not only the first ``past``: entries past the live columns may still be
+        # read (an early-exit verification re-enters drafted columns whose first layers ran already).
+        kv[:, :, :, :, :self.capacity] = self.kv
         self.kv = kv
         self.model.reserve(self.capacity)
         self.grown += 1

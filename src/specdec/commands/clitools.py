@@ -44,6 +44,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
     parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
     parser.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram tried (default 1)")
+    parser.add_argument("--exit-layer", type=int, default=None, metavar="E",
+                        help="early-exit: layers that draft (default: the one the model's folder records, else L/2)")
+    parser.add_argument("--no-kv-reuse", action="store_true",
+                        help="early-exit: verify with the whole network instead of reusing the drafted layers")
+    parser.add_argument("--mtp-depth", type=int, default=None, metavar="D",
+                        help="mtp: use the first D modules or heads (default: all)")
     parser.add_argument("--medusa-choices", type=tree_paths, default=None, metavar="JSON",
                         help="Medusa: the candidate tree as index paths, e.g. '[[0], [0, 0], [1]]' "
                              "(default: the folder's medusa_choices, chosen from held-out acceptance)")

@@ -128,3 +128,64 @@ if __name__ == "__main__":
                                 heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
                                 tie=args.tie):
         print(path)
+
+
+def save_tiny_deepseek_mtp(directory: str | Path, tokenizer: PreTrainedTokenizerFast | None = None,
+                           seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V3 (MLA attention, a MoE MTP layer) with one MTP layer, in the layout its
+    checkpoints use: ``num_nextn_predict_layers`` in config.json and the module as the extra decoder
+    layer ``model.layers.{L}.*`` (``enorm``, ``hnorm``, ``eh_proj``, the block, ``shared_head.norm``)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    directory = Path(directory)
+    tokenizer = tokenizer or build_tokenizer()
+    layers = 2
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=layers, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+        num_nextn_predict_layers=1, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    modules = MtpModel(model, 1)
+    with torch.no_grad():  # post_init's defaults leave the norms at one: make the module's own weights count
+        for name, param in modules.named_parameters():
+            if name.startswith("layers.") and param.dim() >= 2:
+                param.normal_(0.0, 0.1)
+    with quiet():
+        model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    weights = load_file(directory / "model.safetensors")
+    for name, value in modules.state_dict().items():
+        if not name.startswith("layers.0."):
+            continue  # the embedding and head are the main model's
+        rest = name.removeprefix("layers.0.")
+        rest = rest.removeprefix("mtp_block.")
+        rest = "shared_head.norm." + rest.removeprefix("post_norm.") if rest.startswith("post_norm.") else rest
+        weights[f"model.layers.{layers}.{rest}"] = value.detach().clone().contiguous()
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def save_tiny_mtp(directory: str | Path, architecture: str = "llama", design: str = "sequential", depth: int = 2,
+                  tokenizer: PreTrainedTokenizerFast | None = None, scale: float = 0.15, **model_options) -> Path:
+    """A tiny model (``save_tiny``) with ``depth`` random MTP modules or heads, in specdec's variant layout."""
+    from specdec.models import mtp
+
+    directory = save_tiny(directory, architecture, tokenizer, **model_options)
+    from transformers import AutoConfig
+
+    config = mtp.MtpConfig.of(AutoConfig.from_pretrained(directory), design, depth)
+    torch.manual_seed(model_options.get("seed", 0) + 101)
+    net = mtp.MtpNet(config)
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, scale)
+    return mtp.attach(directory, net)

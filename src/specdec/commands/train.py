@@ -104,6 +104,28 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_train_selfspec(args) -> int:
+    """``specdec train layerskip|mtp``: continue a target so that it drafts for itself."""
+    from dataclasses import replace
+
+    from specdec.train import selfspec
+
+    _check_resume_options(args)
+    if args.resume and (getattr(args, "design", None) is not None or getattr(args, "depth", None) is not None):
+        raise SpecdecError("--resume takes the configuration from the checkpoint; drop --design/--depth")
+    _set_threads(args.threads)
+    config = _apply_overrides(selfspec.load_config(args.config, args.preset or args.train_command), args)
+    if args.train_command == "mtp":
+        changes = {key: value for key, value in (("design", args.design), ("depth", args.depth)) if value is not None}
+        config = selfspec.config_from_dict({**selfspec.asdict(config), **changes, "method": "mtp"})
+    elif args.exit_weight is not None:
+        config = replace(config, exit_weight=args.exit_weight)
+    summary = selfspec.train_selfspec(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
+                                      max_minutes=args.max_minutes)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
 def cmd_train_evaluate(args) -> int:
     """``specdec train evaluate``: the offline predicted-tau metric of a trained drafter folder."""
     from specdec.models.eagle import method_of, read_config_json
@@ -228,6 +250,21 @@ def add_commands(subparsers) -> None:
         if name == "dflash":
             p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
                            help="continue a trained DFlash folder (the long-context phase: --preset dflash-long)")
+
+    p = train_sub.add_parser("layerskip", help="continue a target with layer dropout and an early-exit loss "
+                                               "(a variant that drafts with its first layers)")
+    _common_run_options(p)
+    p.add_argument("--target", required=True, type=Path, help="the target model folder to continue")
+    p.add_argument("--exit-weight", type=float, default=None, help="weight of the early exits' loss (default 1.0)")
+    p.set_defaults(func=cmd_train_selfspec)
+
+    p = train_sub.add_parser("mtp", help="continue a target jointly with multi-token prediction modules or heads")
+    _common_run_options(p)
+    p.add_argument("--target", required=True, type=Path, help="the target model folder to continue")
+    p.add_argument("--design", choices=("sequential", "parallel"), default=None,
+                   help="sequential: DeepSeek-V3 modules (default); parallel: independent heads on a shared trunk")
+    p.add_argument("--depth", type=int, default=None, help="modules or heads, each one token further (default 3)")
+    p.set_defaults(func=cmd_train_selfspec)
 
     p = train_sub.add_parser("evaluate", help="the offline predicted tau of a trained Medusa, EAGLE or DFlash folder")
     p.add_argument("--drafter", required=True, type=Path, help="the drafter folder")

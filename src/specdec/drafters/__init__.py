@@ -4,9 +4,11 @@ from specdec.drafters.base import DecodeContext, Drafter, DraftSession, FeatureS
 from specdec.drafters.dflash import DFlash
 from specdec.drafters.draft_model import DraftModel
 from specdec.drafters.eagle import Eagle
+from specdec.drafters.early_exit import EarlyExit
 from specdec.drafters.medusa import Medusa
+from specdec.drafters.mtp import MTP
 from specdec.drafters.none import NoDraft
 from specdec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["DFlash", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "FeatureSpec", "Medusa", "NoDraft",
-           "PromptLookup", "Proposal", "TargetFeatures"]
+__all__ = ["DFlash", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "EarlyExit", "FeatureSpec", "MTP",
+           "Medusa", "NoDraft", "PromptLookup", "Proposal", "TargetFeatures"]

@@ -123,6 +123,12 @@ class DraftSession(Protocol):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only rows ``index`` (finished rows leave the batch)."""
 
+    # Sessions that draft with the target's own first layers (early exit) also implement:
+    # def share_cache(self, cache) -> None:
+    #     """The target's KV cache of this call, given once before the prefill."""
+    # def verify_forward(self, cache, tokens, valid, logits_to_keep, hidden_layers=()):
+    #     """Target.forward for the verification block, reusing what drafting computed."""
+
     # Sessions of drafters that declare ``features`` also implement:
     # def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
     #     """The target's features of newly committed tokens (after the prefill and after ``accepted``)."""

@@ -22,6 +22,7 @@ class DrafterEntry:
     aliases: tuple[str, ...] = ()   # SGLang / vLLM names, matched case-insensitively
     folder: bool = False            # built from a folder (--draft DIR)
     zoo: str | None = None          # the zoo model trained for the zoo target
+    zoo_variant: str | None = None  # self-drafting: the zoo target's variant trained to draft for itself
     chains: bool = True             # drafts chains of k (else its own static tree)
     trees: bool = False             # builds dynamic trees (TreeConfig)
     build: Callable = None          # (folder or None, options namespace) -> Drafter
@@ -61,6 +62,16 @@ def _dflash(folder, options):
     return DFlash(folder, block_size=getattr(options, "block_size", None))
 
 
+def _early_exit(folder, options):
+    from specdec.drafters.early_exit import EarlyExit
+    return EarlyExit(getattr(options, "exit_layer", None), reuse_kv=not getattr(options, "no_kv_reuse", False))
+
+
+def _mtp(folder, options):
+    from specdec.drafters.mtp import MTP
+    return MTP(getattr(options, "mtp_depth", None))
+
+
 REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("none", "plain decoding, no drafts", ("NONE",), build=_none),
     DrafterEntry("draft-model", "a small causal LM with the target's vocabulary", ("STANDALONE", "draft_model"),
@@ -75,6 +86,10 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
                  zoo="eagle3", trees=True, build=_eagle(3)),
     DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
                  folder=True, zoo="dflash", build=_dflash),
+    DrafterEntry("early-exit", "LayerSkip: the target's own first layers, final norm and head", ("LAYERSKIP",),
+                 zoo_variant="layerskip", build=_early_exit),
+    DrafterEntry("mtp", "the target's own multi-token-prediction modules or heads", ("NEXTN", "deepseek_mtp"),
+                 zoo_variant="mtp", build=_mtp),
 )}
 
 

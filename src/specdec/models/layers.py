@@ -91,3 +91,22 @@ class MLP(nn.Module):
 
 def causal_mask(length: int, device=None) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()  # [T, T]
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama decoder layer under Hugging Face's names (``self_attn``, ``mlp``,
+    ``input_layernorm``, ``post_attention_layernorm``), causal over its input; subclasses add parts."""
+
+    def __init__(self, hidden: int, inner: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+                 eps: float = 1e-6, qk_norm: bool = False):
+        super().__init__()
+        self.self_attn = Attention(hidden, hidden, heads, kv_heads, head_dim, theta, eps if qk_norm else None)
+        self.mlp = MLP(hidden, inner)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def block(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] at positions [B, T] -> [B, T, H], each column seeing itself and the ones before."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x), positions)
+        h = x + self.self_attn.attend(q, k, v, causal_mask(x.shape[1], x.device))
+        return h + self.mlp(self.post_attention_layernorm(h))

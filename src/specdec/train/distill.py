@@ -28,7 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.train import config as train_config
 from specdec.train import data
 from specdec.train.config import LongPhase, config_to_dict
-from specdec.train.loop import OptimConfig, load_latest_checkpoint, run_loop
+from specdec.train.loop import OptimConfig, run_folders, run_loop
 from specdec.train.target import (
     ModelShape,
     build_model,
@@ -240,9 +240,7 @@ def train_distill(
 
     log = log or (lambda message: tqdm.write(message))
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
-    if resume:
-        config = config_from_dict(load_latest_checkpoint(ckpt_dir)["run_config"]["distill"])
+    ckpt_dir, config = run_folders(out_dir, ckpt_dir, resume, "distill", config, config_from_dict)
     target = load_frozen_target(target_dir)
     tok = zoo_tokenizer.load_tokenizer(target_dir)
     special = zoo_tokenizer.special_token_ids(tok)

@@ -133,6 +133,15 @@ def load_latest_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {found[-1]}: {exc}") from exc
 
 
+def run_folders(out_dir: Path, ckpt_dir: Path | None, resume: bool, kind: str, config, from_dict: Callable):
+    """(checkpoint folder, configuration) of a run: OUT/checkpoints unless given; on resume the
+    configuration stored in the newest checkpoint (under ``kind``), never the one passed in."""
+    ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else Path(out_dir) / "checkpoints"
+    if resume:
+        config = from_dict(load_latest_checkpoint(ckpt_dir)["run_config"][kind])
+    return ckpt_dir, config
+
+
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 

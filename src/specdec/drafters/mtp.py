@@ -1,0 +1,279 @@
+"""Multi-token prediction: the target drafts with its own MTP modules (DeepSeek-V3) or extra heads.
+
+Sequential modules (one KV cache per module, native backend). Slot i of module k reads h^{k-1}_i
+and token i + k and predicts token i + k + 1; module 1 reads the target's final-normed hidden
+state. After each verification ``observe`` enters the newly committed slots of every module: the
+tokens are the same for every module (the last m committed tokens, pending one included), and
+module k's previous states are module k-1's outputs one slot earlier (its last committed output
+from the step before, then this step's). Drafting then runs, for module k, the k - 1 slots whose
+tokens are drafts, each module's last output giving the next draft; past the last module it is
+reused autoregressively, fed its own output (as vLLM runs one MTP layer for k > 1). Every drafted
+slot is dropped afterwards: the caches hold committed slots only.
+
+Parallel heads: head i reads the trunk (the input of the target's last layer) at the last
+committed position and predicts i tokens past the pending one, so a step drafts min(k, heads)
+tokens, all from one position, with nothing to roll back.
+
+On the transformers backend the modules are recomputed over each row's committed context at every
+step (transformers' own ``MtpModel`` layers for sequential modules, so any checkpoint it reads
+works, DeepSeek-V3's included; specdec's heads for the parallel design): the same drafts without
+their caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.batch import Sequences
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.errors import DrafterMismatchError, UnsupportedModelError
+from specdec.sampling import probabilities, sample
+
+
+class MTP:
+    """Draft with the target's own MTP modules or heads (the first ``depth`` of them; None: all)."""
+
+    name = "mtp"
+
+    def __init__(self, depth: int | None = None):
+        if depth is not None and int(depth) < 1:
+            raise DrafterMismatchError(f"MTP depth must be >= 1, got {depth}")
+        self.depth = None if depth is None else int(depth)
+        self.features = FeatureSpec()
+        self._loaded: dict = {}
+
+    def modules_for(self, target):
+        """(MtpConfig or None for transformers' modules, the modules in the form the backend runs)."""
+        key = (id(target), target.backend.dtype)
+        if key not in self._loaded:
+            self._loaded = {key: self._load(target)}
+        return self._loaded[key]
+
+    def _load(self, target):
+        from specdec.backends import hf
+        from specdec.models import mtp
+
+        native = getattr(target.backend, "name", "") == "native"
+        if target.path is None:
+            raise UnsupportedModelError("MTP drafting reads the modules from the target's folder; load the target "
+                                        "with specdec.load_target(DIR)")
+        config = mtp.MtpConfig.from_config(target.config, f"{target.path}/config.json")
+        if config is None and not hf.mtp_layer_count(target.config):
+            raise DrafterMismatchError(f"{target.name} has no MTP modules or heads (its config.json declares "
+                                       f"neither num_nextn_predict_layers nor specdec_mtp): use another drafter, "
+                                       f"or train them with `specdec train mtp`")
+        if config is None or (not native and config.design == "sequential"):
+            if native:  # a foreign Llama-family checkpoint with DeepSeek-style modules
+                config = mtp.MtpConfig.of(target.config, "sequential", hf.mtp_layer_count(target.config))
+            else:
+                modules = hf.mtp_model(target.model)
+                depth = self._depth(len(modules.layers), target)
+                return "sequential", depth, modules
+        net = mtp.read_mtp(target.path, self._depth(config.depth, target))
+        if native:
+            from specdec.drafters.eagle import require_kernels
+
+            require_kernels(target, "MTP modules")
+            runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype)
+            return config.design, runtime.depth, runtime
+        return config.design, net.config.depth, net.to(target.backend.dtype)
+
+    def _depth(self, available: int, target) -> int:
+        if self.depth is None:
+            return available
+        if self.depth > available:
+            raise DrafterMismatchError(f"{target.name} has {available} MTP modules, asked for depth {self.depth}")
+        return self.depth
+
+    def start(self, context: DecodeContext, seqs: Sequences):
+        target = context.target
+        if context.tree is not None:
+            raise UnsupportedModelError("MTP drafting builds chains, not token trees; drop --tree")
+        design, depth, modules = self.modules_for(target)
+        layers = int(target.num_layers)
+        self.features = FeatureSpec(hidden_layers=(layers,) if design == "sequential" else (layers - 1,))
+        if getattr(target.backend, "name", "") == "native":
+            kind = NativeSequential if design == "sequential" else NativeParallel
+            return kind(modules, context, seqs.batch_size)
+        return RecomputeSession(design, depth, modules, target, context, seqs.batch_size)
+
+
+class Drafting:
+    """Draft tokens (and distributions when sampling) from logits [B, V]."""
+
+    def __init__(self, context: DecodeContext):
+        self.sampling, self.generator = context.sampling, context.generator
+        self.pad = context.target.pad_token_id
+
+    def next(self, logits: torch.Tensor):
+        if self.sampling.greedy:
+            return logits.argmax(-1), None
+        probs = probabilities(logits.float(), self.sampling)
+        return sample(probs, self.generator), probs
+
+    def proposal(self, drafts: list, dists: list) -> Proposal:
+        tokens = torch.stack(drafts, dim=1)
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return Proposal(tokens, lengths, None if self.sampling.greedy else torch.stack(dists, dim=1))
+
+
+def shift_in(last: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Right-aligned outputs [B, m, H] moved one slot later: each row's first valid column gets ``last``
+    [B, H] (the output of the slot before it), column j the output of column j - 1."""
+    shifted = out.roll(1, dims=1)
+    first = (valid.shape[1] - valid.sum(1)).clamp(max=valid.shape[1] - 1)  # [B] each row's first valid column
+    shifted[torch.arange(out.shape[0], device=out.device), first] = last.to(shifted.dtype)
+    return shifted
+
+
+class NativeSequential(Drafting):
+    def __init__(self, runtime, context: DecodeContext, batch_size: int):
+        super().__init__(context)
+        self.runtime = runtime
+        self.caches = [runtime.new_cache(i, batch_size, context.cache_capacity) for i in range(runtime.depth)]
+        self.last: list[torch.Tensor] = []   # per module [B, H]: its output at its last committed slot
+        self.base: list[torch.Tensor] | None = None
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        width = features.states.shape[1]
+        tokens, _ = seqs.window(seqs.lengths - width, seqs.lengths, self.pad)  # token i + k of every module's slot
+        column = torch.arange(width, device=tokens.device)
+        previous = features.states[:, :, 0]
+        last = []
+        for index, cache in enumerate(self.caches):
+            if index:
+                stale = self.last[index - 1] if self.last else torch.zeros_like(previous[:, 0])
+                previous = shift_in(stale, previous, features.valid)
+            # slot of column j: lengths - width + j - index (1-based); slots before the first token do not exist
+            valid = features.valid & (seqs.lengths[:, None] - width + column[None, :] - index >= 1)
+            previous = cache.run(tokens, previous, valid)
+            last.append(previous[:, -1])
+        self.last = last
+
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        runtime = self.runtime
+        self.base = [cache.lengths.clone() for cache in self.caches]
+        drafts, dists = [], []
+        token, probs = self.next(runtime.logits(0, self.last[0]))
+        drafts.append(token)
+        dists.append(probs)
+        # Module i drafts at slots n + 1 - i .. n (n: the last committed position): their tokens are
+        # drafts 1 .. i, their previous states module i - 1's last committed output and drafted outputs.
+        outputs = self.last[0][:, :0, None].expand(-1, 0, self.last[0].shape[1])  # module 0 drafts no slot
+        for index in range(1, min(k, runtime.depth)):
+            previous = torch.cat([self.last[index - 1][:, None], outputs], dim=1)  # [B, index, H]
+            outputs = self.caches[index].run(torch.stack(drafts, dim=1), previous)
+            token, probs = self.next(runtime.logits(index, outputs[:, -1]))
+            drafts.append(token)
+            dists.append(probs)
+        final = self.caches[runtime.depth - 1]
+        out = outputs[:, -1] if outputs.shape[1] else self.last[runtime.depth - 1]
+        while len(drafts) < k:  # past the last module: reuse it, fed its own output
+            out = final.run(drafts[-1][:, None], out[:, None])[:, -1]
+            token, probs = self.next(runtime.logits(runtime.depth - 1, out))
+            drafts.append(token)
+            dists.append(probs)
+        return self.proposal(drafts, dists)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        if self.base is not None:
+            for cache, base in zip(self.caches, self.base):
+                cache.truncate(base)
+                cache.compact()
+            self.base = None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.select_rows(index)
+        self.last = [value.index_select(0, index) for value in self.last]
+
+
+class NativeParallel(Drafting):
+    def __init__(self, runtime, context: DecodeContext, batch_size: int):
+        super().__init__(context)
+        self.runtime = runtime
+        self.caches = [runtime.new_cache(i, batch_size, context.cache_capacity) for i in range(runtime.depth)]
+        self.last: list[torch.Tensor] = []
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        trunk = features.states[:, :, 0]
+        dummy = torch.zeros(trunk.shape[:2], dtype=torch.long, device=trunk.device)
+        self.last = [cache.run(dummy, trunk, features.valid)[:, -1] for cache in self.caches]
+
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        drafts, dists = [], []
+        for index in range(min(k, self.runtime.depth)):
+            token, probs = self.next(self.runtime.logits(index, self.last[index]))
+            drafts.append(token)
+            dists.append(probs)
+        return self.proposal(drafts, dists)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass  # drafting adds nothing to the heads' caches
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.select_rows(index)
+        self.last = [value.index_select(0, index) for value in self.last]
+
+
+class RecomputeSession(Drafting):
+    """Transformers backend: per row, the modules over its whole committed context at every step."""
+
+    def __init__(self, design: str, depth: int, modules, target, context: DecodeContext, batch_size: int):
+        super().__init__(context)
+        self.design, self.depth, self.modules = design, depth, modules
+        self.head = target.model.get_output_embeddings()
+        self.states: list[torch.Tensor] = [None] * batch_size  # per row [n, H]: features of committed tokens
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        for row in range(features.states.shape[0]):
+            new = features.states[row, features.valid[row], 0]
+            old = self.states[row]
+            self.states[row] = new if old is None else torch.cat([old, new], dim=0)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        rows = []
+        for row, states in enumerate(self.states):
+            tokens = seqs.tokens[row, : int(seqs.lengths[row])]
+            rows.append(self._row(states, tokens, k))
+        drafts = [torch.stack([r[0][j] for r in rows]) for j in range(len(rows[0][0]))]
+        dists = [None if self.sampling.greedy else torch.stack([r[1][j] for r in rows]) for j in range(len(drafts))]
+        return self.proposal(drafts, dists)
+
+    def _row(self, states: torch.Tensor, tokens: torch.Tensor, k: int):
+        """Drafts of one row: states [n, H] of tokens 1..n, tokens [n + 1] (the pending one last)."""
+        n = states.shape[0]
+        positions = torch.arange(1, n + 1, device=states.device)[None]
+        drafts, dists = [], []
+
+        def take(logits):
+            token, probs = self.next(logits[None])
+            drafts.append(token[0])
+            dists.append(None if probs is None else probs[0])
+
+        if self.design == "parallel":
+            for head in self.modules.modules_[: min(k, self.depth)]:
+                take(self.head(head(states[None], positions))[0, -1].float())
+            return drafts, dists
+        previous, following = states[None], tokens[1:][None]  # slot i: h^{k-1}_i and token i + k
+        for index in range(min(k, self.depth)):
+            out = self.modules.forward_layer(index, previous, positions + index, None, input_ids=following)
+            take(self.modules._project_to_logits(out[:, -1]).float()[0])
+            if len(drafts) < min(k, self.depth):
+                previous, following = out, torch.cat([following[:, 1:], drafts[-1][None, None]], dim=1)
+        while len(drafts) < k:  # past the last module: one slot further, fed its own output
+            previous = torch.cat([previous, out[:, -1:]], dim=1)
+            following = torch.cat([following, drafts[-1][None, None]], dim=1)
+            positions = torch.arange(1, previous.shape[1] + 1, device=states.device)[None]
+            out = self.modules.forward_layer(self.depth - 1, previous, positions + self.depth - 1, None,
+                                             input_ids=following)
+            take(self.modules._project_to_logits(out[:, -1]).float()[0])
+        return drafts, dists
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.states = [self.states[i] for i in index.tolist()]
