@@ -76,7 +76,7 @@ class SelfSpecConfig:
             raise TrainConfigError(f"dropout_max must be in [0, 1), got {self.dropout_max}")
 
 
-TINY = dict(optim=OptimConfig(steps=12, lr=2e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=6),
+TINY = dict(optim=OptimConfig(steps=12, lr=5e-4, warmup_steps=2, eval_every=6, ckpt_every_steps=6),
             seq_len=32, batch_size=2, eval_windows=4)
 PRESETS: dict[str, SelfSpecConfig] = {
     "layerskip": SelfSpecConfig(),
