@@ -55,8 +55,7 @@ def test_mtp_training_trains_the_modules_and_saves_them_where_engines_look(desig
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    summary = ss.train_selfspec(tiny(method="mtp", design=design, depth=2), zoo_path("target"), tmp_path / "out",
-                                **QUIET)
+    ss.train_selfspec(tiny(method="mtp", design=design, depth=2), zoo_path("target"), tmp_path / "out", **QUIET)
     evals = [record for record in summary_history(tmp_path / "out") if "mtp1_loss" in record]
     assert len(evals) == 2 and all(evals[1][f"mtp{k}_loss"] < evals[0][f"mtp{k}_loss"] for k in (1, 2))
     folder = tmp_path / "out"
