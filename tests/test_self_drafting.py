@@ -291,3 +291,39 @@ def test_deepseek_v3_checkpoint_drafts_with_its_mtp_layer(tokenizer, tmp_path):
     finally:
         mtp_drafter.RecomputeSession.propose = original
     assert session_drafts[0] == int(drafted[0, 0])
+
+
+def test_bench_measures_each_variant_beside_its_own_plain_decoding(deep_dirs, mtp_dirs):
+    from specdec.commands.bench import run_bench, variant_engine
+
+    target = specdec.load_target(deep_dirs["qwen3"])
+    prompts = target.encode(PROMPTS[:2])
+    variants = (variant_engine("early-exit", deep_dirs["llama"], exit_layers=[1, 3]),
+                variant_engine("mtp", mtp_dirs["llama", "sequential"]))
+    result = run_bench(target, prompts, ks=[2], max_new_tokens=12, progress=False, more_engines=variants)
+    assert result["outputs_identical"] and not result["implementation_differences"]
+    rows = {row["method"]: row for row in result["rows"]}
+    for label in ("specdec[llama] plain", "specdec[llama] early-exit k=2 E=1", "specdec[llama] early-exit k=2 E=3",
+                  "specdec[llama] early-exit k=2 E=1 recompute", "transformers[llama] plain",
+                  "transformers[llama] early-exit k=2 E=3", "specdec[llama-seq] mtp k=2",
+                  "transformers[llama-seq] mtp k=2"):
+        assert label in rows, sorted(rows)
+    own_plain = rows["specdec[llama] plain"]["tokens_per_second"]
+    row = rows["specdec[llama] early-exit k=2 E=1"]
+    assert row["speedup_vs_plain"] == pytest.approx(row["tokens_per_second"] / own_plain)
+    assert row["ratio_vs_transformers"] is not None
+    assert rows["transformers[llama] early-exit k=2 E=3"]["tau"] >= 1.0  # counts verification passes only
+
+
+def test_cli_refuses_bad_self_drafting_options(deep_dirs, capsys):
+    from specdec.commands.cli import main
+
+    folder = str(deep_dirs["llama"])
+    for argv, text in ((["bench", "--target", folder, "--tasks", "code-completion", "--drafters",
+                         f"early-exit={folder}", "--exit-layers", "4"], "exit layer 4 is outside [1, 4)"),
+                       (["generate", "--target", folder, "--drafter", "mtp", "--prompt", "x"], "no MTP modules"),
+                       (["generate", "--target", folder, "--drafter", "early-exit", "--exit-layer", "0",
+                         "--prompt", "x"], "exit layer must be >= 1")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err

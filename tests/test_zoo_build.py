@@ -25,5 +25,14 @@ def test_tiny_build_produces_a_complete_zoo(tmp_path, capsys, monkeypatch):
     assert Eagle(out / "eagle", version=1) and Eagle(out / "eagle3", version=3) and Medusa(out / "medusa")
     assert DFlash(out / "dflash").block_size == 4
     assert set(summary["drafters_offline"]) == {"medusa", "eagle", "eagle3", "dflash"}
+    import specdec
+    from specdec.drafters import MTP, EarlyExit
+
+    assert set(summary["variants_validation"]) == {"layerskip", "mtp", "mtp-parallel"}
+    for name, drafter in (("layerskip", EarlyExit()), ("mtp", MTP()), ("mtp-parallel", MTP())):
+        AutoModelForCausalLM.from_pretrained(out / name)  # an ordinary causal LM
+        variant = specdec.load_target(out / name)
+        plain = specdec.generate(variant, "def f(x):", max_new_tokens=8).token_ids
+        assert specdec.generate(variant, "def f(x):", drafter=drafter, max_new_tokens=8).token_ids == plain
     for name in tasks.TASK_NAMES:
         assert len(tasks.load_tasks(name, out / "tasks")) >= 50

@@ -27,6 +27,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.backends.target import Target
 
 PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH = "plain", "draft-model", "prompt-lookup", "dflash"
+EARLY_EXIT, MTP = "early-exit", "mtp"
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Engine:
     target: Target
     draft: DraftModel | None = None
     drafters: tuple = ()
+    variant: str = ""            # a model of its own (a self-drafting variant), named in labels; "": the target
 
     @property
     def backend(self) -> str:
@@ -51,7 +53,8 @@ class Method:
     batch_size: int
     run: Callable                # list[list[int]] -> (outputs, Stats | None)
     engine: Engine | None = None  # specdec's methods: the backend they run on
-    tag: str = ""                # the backend in labels, when a bench compares several
+    tag: str = ""                # the backend (or the variant model) in labels, when a bench compares several
+    model: str = ""              # the variant model it runs on ("": the target); outputs compare within a model
     tree: TreeConfig | None = None  # token trees instead of chains of k
     new_tokens: int = 0
     seconds: float = 0.0
@@ -101,23 +104,27 @@ def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_
     def run(prompts):
         out = generate_ids(engine.target, prompts, drafter, config)
         return out.token_ids, out.stats
-    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, tree, note=note)
+    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note)
 
 
 class ForwardCounter:
-    """Counts forward passes of a model (transformers does not report its verification steps)."""
+    """Counts a model's verification passes (transformers does not report them): the passes through its
+    last decoder layer, which drafting never reaches, not even an early-exit assistant of the same model."""
 
     def __init__(self, model):
         self.count = 0
-        model.register_forward_pre_hook(self._hook)
+        layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+        (layers[-1] if layers is not None and len(layers) else model).register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         self.count += 1
 
 
 def transformers_method(target: Target, model, family: str, draft_model, k: int | None, max_new_tokens: int,
-                        max_ngram: int, counter: ForwardCounter, note: str = ""):
-    """transformers' generate() on ``model`` (the target's weights as a transformers model)."""
+                        max_ngram: int, counter: ForwardCounter, note: str = "", variant: str = "",
+                        exit_layer: int | None = None):
+    """transformers' generate() on ``model`` (the target's weights as a transformers model); on a
+    variant, its early-exit assistant (``exit_layer``) or its MTP layers."""
     extra = {}
     if family in (DRAFT_MODEL, DFLASH):
         extra = {"assistant_model": draft_model}
@@ -125,6 +132,11 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
         extra["speculation_type"] = "dflash"
     elif family == PROMPT_LOOKUP:
         extra = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
+    elif family == EARLY_EXIT:  # k drafts every step, no confidence-based early stop, as specdec drafts
+        extra = {"assistant_early_exit": exit_layer, "num_assistant_tokens": k,
+                 "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    elif family == MTP:
+        extra = {"use_mtp": True}
     eos = list(target.eos_token_ids) or None
 
     def run(prompts):
@@ -150,7 +162,7 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
                     tokens = tokens[: i + 1]
                     break
         return [tokens], counter.count - before
-    return Method(family, "transformers", k, 1, run, note=note)
+    return Method(family, "transformers", k, 1, run, tag=variant, model=variant, note=note)
 
 
 def transformers_model(model: Target | DraftModel):
@@ -169,8 +181,14 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
     and transformers' DFlash on the same weights when a DFlash drafter is measured."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
+    several = len([e for e in engines if not e.variant]) > 1
     for engine in engines:
-        tag = engine.backend if len(engines) > 1 else ""
+        tag = engine.variant or (engine.backend if several else "")
+        if engine.variant:  # a self-drafting variant: its plain decoding and its own drafter
+            for batch_size in batch_sizes:
+                methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
+                methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes)
+            continue
         for batch_size in batch_sizes:
             methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
             for k in ks:
@@ -204,7 +222,41 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
             methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
                                             counter, drafter_note(engines[0], DFLASH, drafter))
                         for k in dflash_ks(drafter, block_sizes)]
+    if reference is not None:
+        for engine in engines:
+            if engine.variant:
+                methods += variant_transformers_methods(engine, ks, max_new_tokens, max_ngram)
     return methods
+
+
+def variant_transformers_methods(engine: Engine, ks, max_new_tokens: int, max_ngram: int) -> list:
+    """transformers' own self-speculation on a variant: plain generate, ``assistant_early_exit=E`` at the
+    exit layers specdec measures, ``use_mtp=True`` (its modules, one draft each) for MTP modules."""
+    from specdec.backends import hf
+
+    target = engine.target
+    model = transformers_model(target)
+    counter = ForwardCounter(model)
+    methods = [transformers_method(target, model, PLAIN, None, None, max_new_tokens, max_ngram, counter,
+                                   variant=engine.variant)]
+    for name, drafter in engine.drafters:
+        if name == EARLY_EXIT and drafter.reuse_kv:
+            exit_layer = drafter.exit_for(target)
+            methods += [transformers_method(target, model, EARLY_EXIT, None, k, max_new_tokens, max_ngram, counter,
+                                            self_note(drafter, target), engine.variant, exit_layer) for k in ks]
+        elif name == MTP and hf.enable_mtp(model) and drafter.depth in (None, hf.mtp_layer_count(model.config)):
+            depth = hf.mtp_layer_count(model.config)
+            methods.append(transformers_method(target, model, MTP, None, depth, max_new_tokens, max_ngram, counter,
+                                               self_note(drafter, target), engine.variant))
+    return methods
+
+
+def self_note(drafter, target) -> str:
+    """What tells apart the self-drafting settings of one variant: the exit layer and the KV reuse, or the
+    MTP depth."""
+    if hasattr(drafter, "exit_for"):
+        return f"E={drafter.exit_for(target)}" + ("" if drafter.reuse_kv else " recompute")
+    return f"depth={drafter.depth}" if drafter.depth else ""
 
 
 def dflash_ks(drafter, block_sizes) -> list[int]:
@@ -237,7 +289,7 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
             continue
         chain_ks = dflash_ks(drafter, block_sizes) if name == DFLASH else ks
-        note = drafter_note(engine, name, drafter)
+        note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
         if entry.trees:
@@ -346,7 +398,7 @@ def compare_outputs(results: list) -> tuple[list, list]:
     nothing about speculation.
     """
     def group(method):
-        return method.impl, method.tag
+        return method.model, method.impl, method.tag
 
     plain, first = {}, {}
     for method, index, output in results:
@@ -357,9 +409,13 @@ def compare_outputs(results: list) -> tuple[list, list]:
     mismatches = [{"prompt": index, "method": method.label} for method, index, output in results
                   if output != reference[group(method), index]]
     groups = list(dict.fromkeys(group(method) for method, _, _ in results))
-    differences = [{"prompt": index, "implementations": [" ".join(filter(None, groups[0])), " ".join(filter(None, g))]}
-                   for g in groups[1:] for (h, index), output in reference.items()
-                   if h == g and output != reference[groups[0], index]]
+    first_of = {}
+    for g in groups:
+        first_of.setdefault(g[0], g)  # each model's first implementation, the one the others are compared with
+    differences = [{"prompt": index, "implementations": [" ".join(filter(None, first_of[g[0]])),
+                                                         " ".join(filter(None, g))]}
+                   for g in groups if g != first_of[g[0]] for (h, index), output in reference.items()
+                   if h == g and output != reference[first_of[g[0]], index]]
     return mismatches, differences
 
 
@@ -414,8 +470,8 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
     rows = []
     for m in methods:
         plain = find("specdec", m.tag, PLAIN, None, m.batch_size) if m.impl == "specdec" else \
-            find("transformers", "", PLAIN, None, 1)
-        peer = find("transformers", "", m.family, m.k, 1, note=m.note) if m.impl == "specdec" \
+            find("transformers", m.tag, PLAIN, None, 1)
+        peer = find("transformers", m.model, m.family, m.k, 1, note=m.note) if m.impl == "specdec" \
             and m.batch_size == 1 and m.tree is None else None
         single = find("specdec", m.tag, m.family, m.k, 1, m.tree, m.note) if m.impl == "specdec" \
             and m.batch_size > 1 else None
@@ -515,10 +571,16 @@ def add_bench_command(commands) -> None:
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
     bench.add_argument("--drafters", nargs="+", default=[], metavar="NAME[=DIR]",
                        help="trained drafters to measure too (medusa, eagle, eagle3, dflash; SGLang/vLLM names accepted); "
-                            "without =DIR the zoo's, trained for the zoo target")
+                            "without =DIR the zoo's, trained for the zoo target. Self-drafting models: early-exit=DIR, "
+                            "mtp=DIR (without =DIR the zoo's variants), each beside its own plain decoding")
     bench.add_argument("--block-sizes", nargs="+", type=int, default=[], metavar="B",
                        help="DFlash: block sizes to measure, the pending token included (k = B - 1; default: "
                             "the drafter's own)")
+    bench.add_argument("--exit-layers", nargs="+", type=int, default=[], metavar="E",
+                       help="early-exit: exit layers to measure, each with and without reusing the drafted layers "
+                            "(default: the one the model's folder records)")
+    bench.add_argument("--mtp-depths", nargs="+", type=int, default=[], metavar="D",
+                       help="mtp: module depths to measure (default: all the model has)")
     bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
                        help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
     bench.add_argument("--cost-curve", action="store_true",
@@ -557,7 +619,10 @@ def run_bench_command(args) -> int:
             raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         prompts = prompts[: args.num_prompts]
     requested = [parse_drafter(text) for text in args.drafters]
-    engines = []
+    from specdec.drafters.registry import REGISTRY
+    own = [(name, folder) for name, folder in requested if REGISTRY[name].zoo_variant]
+    requested = [(name, folder) for name, folder in requested if not REGISTRY[name].zoo_variant]
+    engines, variants = [], []
     for backend in dict.fromkeys(args.backend):
         target = load_target(args.target, dtype=args.dtype, backend=backend)
         draft = make_drafter("draft-model", args, backend=backend) if args.draft else None
@@ -565,13 +630,16 @@ def run_bench_command(args) -> int:
             draft.check_compatible(target)
         trained = tuple((name, make_drafter(name, args, backend=backend, folder=folder)) for name, folder in requested)
         engines.append(Engine(target, draft, trained))
+        for name, folder in own:
+            variants.append(variant_engine(name, folder, args.dtype, backend, args.exit_layers, args.mtp_depths,
+                                           len(args.backend) > 1))
     first = engines[0]
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     result = run_bench(first.target, first.target.encode(prompts), draft=first.draft, ks=args.k,
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
-                       more_engines=tuple(engines[1:]), trees=tuple(trees), drafters=first.drafters,
+                       more_engines=tuple(engines[1:] + variants), trees=tuple(trees), drafters=first.drafters,
                        block_sizes=tuple(args.block_sizes))
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
@@ -582,18 +650,40 @@ def run_bench_command(args) -> int:
 
 
 def parse_drafter(text: str) -> tuple[str, str]:
-    """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the zoo's eagle3 folder."""
+    """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the zoo's eagle3 folder. Self-drafting methods
+    (early-exit, mtp) name the model that drafts for itself: 'mtp=DIR', or the zoo's variant."""
     from specdec.drafters.registry import REGISTRY, resolve
 
     name, _, folder = text.partition("=")
     name = resolve(name)
     entry = REGISTRY[name]
-    if not entry.folder or name == "draft-model":
-        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash), got {name!r}")
+    if not (entry.folder or entry.zoo_variant) or name == "draft-model":
+        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash) and "
+                                   f"self-drafting models (early-exit=DIR, mtp=DIR), got {name!r}")
     if not folder:
         from specdec.zoo import zoo_path
-        folder = str(zoo_path(entry.zoo))
+        folder = str(zoo_path(entry.zoo or entry.zoo_variant))
     return name, folder
+
+
+def variant_engine(name: str, folder, dtype="float32", backend: str = "auto", exit_layers=(), depths=(),
+                   tagged: bool = False, recompute: bool = True) -> Engine:
+    """A self-drafting model as an engine of its own: its plain decoding and its drafter, at every exit
+    layer asked for (each with and, when ``recompute``, without reusing the drafted layers) or every
+    MTP depth (default: the folder's exit layer, all its modules)."""
+    from specdec.backends.target import load_target
+    from specdec.drafters import MTP, EarlyExit
+
+    target = load_target(folder, dtype=dtype, backend=backend)
+    if name == EARLY_EXIT:
+        drafters = [(name, EarlyExit(exit_layer, reuse_kv=reuse)) for exit_layer in (exit_layers or [None])
+                    for reuse in ((True, False) if recompute else (True,))]
+        for _, drafter in drafters:
+            drafter.exit_for(target)  # an exit layer outside [1, L): one line before any work
+    else:
+        drafters = [(name, MTP(depth)) for depth in (depths or [None])]
+    label = Path(folder).name + (f"/{target.backend.description}" if tagged else "")
+    return Engine(target, None, tuple(drafters), variant=label)
 
 
 def parse_tree(text: str) -> TreeConfig:

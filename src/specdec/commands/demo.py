@@ -26,12 +26,12 @@ DEMO_BLOCKS = (4,)  # DFlash's block in the demo: the fastest on the zoo here (d
 def _models(workdir: Path):
     """(target dir, draft dir, trained drafters [(name, dir)], prompts, description)."""
     try:
-        from specdec.zoo import DRAFTER_NAMES, ZooError, zoo_path
+        from specdec.zoo import DRAFTER_NAMES, VARIANT_NAMES, ZooError, zoo_path
         from specdec.zoo.tasks import load_tasks
         prompts = load_tasks("code-completion")[:4]
         target, draft = zoo_path("target"), zoo_path("draft")
         trained = []
-        for name in DRAFTER_NAMES:
+        for name in DRAFTER_NAMES + VARIANT_NAMES:
             try:
                 trained.append((name, zoo_path(name)))
             except ZooError:
@@ -58,9 +58,10 @@ def run_demo(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.backends.target import load_target
-    from specdec.commands.bench import format_table, run_bench
+    from specdec.commands.bench import format_table, run_bench, variant_engine
     from specdec.drafters import DraftModel
     from specdec.drafters.registry import build
+    from specdec.zoo import VARIANT_NAMES
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
@@ -70,11 +71,13 @@ def run_demo(args) -> int:
               f"{args.threads} thread{'s' if args.threads > 1 else ''}", file=sys.stderr)
         target = load_target(target_dir)
         draft = DraftModel(draft_dir)
-        drafters = tuple((name, build(name, folder)) for name, folder in trained)
+        drafters = tuple((name, build(name, folder)) for name, folder in trained if name not in VARIANT_NAMES)
+        variants = tuple(variant_engine("early-exit" if name == "layerskip" else "mtp", folder, recompute=False)
+                         for name, folder in trained if name in VARIANT_NAMES)  # each beside its own plain decoding
         prompts = target.encode(texts)
         result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
                            progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),
-                           block_sizes=DEMO_BLOCKS)
+                           block_sizes=DEMO_BLOCKS, more_engines=variants)
     best = fastest(result)
     verdict = "greedy outputs identical to plain decoding" if result["outputs_identical"] else "OUTPUTS DIFFER"
     if best is not None:

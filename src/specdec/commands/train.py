@@ -106,7 +106,7 @@ def cmd_train_drafter(args) -> int:
 
 def cmd_train_selfspec(args) -> int:
     """``specdec train layerskip|mtp``: continue a target so that it drafts for itself."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from specdec.train import selfspec
 
@@ -117,7 +117,7 @@ def cmd_train_selfspec(args) -> int:
     config = _apply_overrides(selfspec.load_config(args.config, args.preset or args.train_command), args)
     if args.train_command == "mtp":
         changes = {key: value for key, value in (("design", args.design), ("depth", args.depth)) if value is not None}
-        config = selfspec.config_from_dict({**selfspec.asdict(config), **changes, "method": "mtp"})
+        config = selfspec.config_from_dict({**asdict(config), **changes, "method": "mtp"})
     elif args.exit_weight is not None:
         config = replace(config, exit_weight=args.exit_weight)
     summary = selfspec.train_selfspec(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,

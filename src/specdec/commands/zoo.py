@@ -1,5 +1,5 @@
 """``specdec zoo build``: corpus -> tokenizer -> target -> distilled draft -> Medusa, EAGLE-1, EAGLE-3
-and DFlash drafters for the target -> task sets.
+and DFlash drafters for the target -> its LayerSkip and MTP variants -> task sets.
 
 Every stage is deterministic given the interpreter's stdlib and the seeds in the
 presets. Checkpoints live in a work dir (not in the zoo), so an interrupted
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,13 @@ from specdec.train.features import drafter_training
 from specdec.train.loop import list_checkpoints
 from specdec.zoo import corpus, data_dir, tasks
 from specdec.zoo import tokenizer as zoo_tokenizer
+
+
+SELF_DRAFTING = {  # zoo folder -> the self-speculation training that makes it (from the target)
+    "layerskip": {"method": "layerskip", "optim": {"steps": 800}},
+    "mtp": {"method": "mtp", "design": "sequential", "depth": 3, "optim": {"steps": 800}},
+    "mtp-parallel": {"method": "mtp", "design": "parallel", "depth": 3, "optim": {"steps": 600}},
+}
 
 
 def build_zoo(
@@ -70,6 +78,24 @@ def build_zoo(
         offline[name] = summary["offline"]
         timings[f"{name}_minutes"] = (time.monotonic() - stage) / 60
 
+    from specdec.train import selfspec
+
+    variants = {}
+    for name, changes in SELF_DRAFTING.items():  # the target trained further to draft for itself
+        stage = time.monotonic()
+        ckpt = work_dir / f"{name}-checkpoints"
+        if not resume:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        base = asdict(selfspec.PRESETS["tiny" if preset == "tiny" else changes["method"]])
+        values = {**base, **{key: value for key, value in changes.items() if key != "optim"}}
+        if preset != "tiny":  # a tiny build keeps the tiny schedule
+            values["optim"] = {**base["optim"], **changes.get("optim", {})}
+        config = selfspec.config_from_dict(values)
+        summary = selfspec.train_selfspec(config, out / "target", out / name, ckpt_dir=ckpt,
+                                          resume=resume and bool(list_checkpoints(ckpt)), max_minutes=drafter_minutes)
+        variants[name] = summary["validation"]
+        timings[f"{name}_minutes"] = (time.monotonic() - stage) / 60
+
     counts = tasks.write_task_sets(out / "tasks", tokenizer_dir)
     timings["total_minutes"] = (time.monotonic() - started) / 60
     return {
@@ -80,5 +106,6 @@ def build_zoo(
         "draft_parameters": draft_summary["parameters"],
         "tasks": counts,
         "drafters_offline": offline,
+        "variants_validation": variants,
         **{k: round(v, 2) for k, v in timings.items()},
     }
