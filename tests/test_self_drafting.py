@@ -327,3 +327,25 @@ def test_cli_refuses_bad_self_drafting_options(deep_dirs, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert text in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", ["layerskip", "mtp", "mtp-parallel"])
+def test_trained_zoo_variants_equal_plain_decoding(name):
+    """Where drafts are mostly accepted: long accepted runs exercise the shared cache's reuse (early
+    exit) and the modules' committed slots (MTP)."""
+    from specdec.zoo import ZooError, zoo_path
+    from specdec.zoo.tasks import load_tasks
+
+    try:
+        folder = zoo_path(name)
+    except ZooError:
+        pytest.skip(f"the zoo has no {name} variant")
+    for dtype in (torch.float32, torch.bfloat16):
+        target = specdec.load_target(folder, dtype=dtype, backend="native")
+        prompts = target.encode(load_tasks("code-completion")[:4])
+        reference = [specdec.generate(target, [p], max_new_tokens=48).token_ids[0] for p in prompts]
+        drafters = [EarlyExit(), EarlyExit(reuse_kv=False)] if name == "layerskip" else [MTP(), MTP(1)]
+        for drafter in drafters:
+            out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=48)
+            assert out.token_ids == reference, f"{drafter.name} {dtype}"
+            assert out.stats.mean_accepted_length > 1.4, "the trained variant should accept drafts here"

@@ -118,6 +118,32 @@ class NativeCache(RaggedCache):
             self._resume, self._stop = None, None
 
     @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, stop: int) -> torch.Tensor:
+        """One new column per row through layers [0, stop): tokens [B] -> states [B, H] at ``stop``.
+
+        What ``begin`` does for one live token per row, with the bookkeeping an early-exit chain pays
+        at every draft cut to a few tensor operations (no block mask, no explicit positions, no taps);
+        every row sees all its live columns (within each layer's window), the same arithmetic.
+        """
+        batch = tokens.shape[0]
+        if self.columns + 1 > self.capacity:
+            self._grow(self.columns, self.columns + 1)
+        past, positions = self.append(self.valid.new_ones(batch, 1))
+        flat = positions.reshape(-1).contiguous()
+        model = self.model
+        work = self._scratch(batch, 1)
+        params = llama.block_params(model, self.kv, past, flat, work)
+        layers = model.layers[:stop]
+        windows = dict.fromkeys(layer.window for layer in layers)
+        every = windows.keys() == {FULL} and bool(self.valid.all())
+        masks = {window: None if every else self.visible(positions, past, None, window).contiguous()
+                 for window in windows}
+        x = F.embedding(tokens, model.embed)
+        for index, layer in enumerate(layers):
+            x = llama.decoder_layer(model, index, x, params, self.kv, masks[layer.window])
+        return x
+
+    @torch.inference_mode()
     def advance(self, block: Block, stop: int) -> Block:
         """Run layers [block.layer, stop) of ``block``, writing their cache entries."""
         model = self.model

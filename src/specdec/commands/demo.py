@@ -1,8 +1,9 @@
 """`specdec demo`: every method on held-out prompts, outputs checked identical, the fastest first.
 
 With the zoo installed it runs the zoo's target with every drafter trained for it (the distilled
-draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup and transformers' own implementations,
-one thread, on held-out code-completion prompts; without it, tiny random models built on the spot.
+draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup, the zoo's self-drafting variants
+(LayerSkip, MTP) beside their own plain decoding, and transformers' own implementations, one thread,
+on held-out code-completion prompts; without it, tiny random models built on the spot.
 """
 
 from __future__ import annotations

@@ -108,13 +108,12 @@ class SharedLayersSession:
         cache.truncate(cache.lengths)  # drop trailing columns no row uses (rows that left may leave some),
         self.base = cache.lengths.clone()  # so rolling back to ``base`` returns to exactly these columns
         self.start = cache.columns
-        token = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # the pending token [B, 1]
-        everyone = torch.ones_like(token, dtype=torch.bool)
+        token = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending token [B]
         states, drafts, dists = [], [], []
         for _ in range(k):
-            block = cache.begin(token, everyone, stop=self.exit_layer)
-            states.append(block.states)  # [B, 1, H]
-            logits = self.model.logits(block.states)[:, -1]  # the shared final norm and head
+            state = cache.step(token, self.exit_layer)  # [B, H]
+            states.append(state)
+            logits = self.model.logits(state)  # the shared final norm and head
             if self.sampling.greedy:
                 draft, probs = logits.argmax(-1), None
             else:
@@ -122,8 +121,8 @@ class SharedLayersSession:
                 draft = sample(probs, self.generator)
             drafts.append(draft)
             dists.append(probs)
-            token = draft[:, None]
-        self.states = torch.cat(states, dim=1)
+            token = draft
+        self.states = torch.stack(states, dim=1)
         lengths = torch.full_like(seqs.lengths, k)
         return Proposal(torch.stack(drafts, dim=1), lengths, None if self.sampling.greedy else torch.stack(dists, 1))
 
@@ -132,8 +131,8 @@ class SharedLayersSession:
         """[pending, drafts]: layers [0, E) of the last draft, then layers [E, L) of the whole block."""
         if block_mask is not None or positions is not None:
             raise UnsupportedModelError("early-exit drafting verifies chains only")
-        last = cache.begin(tokens[:, -1:], torch.ones_like(valid[:, -1:]), stop=self.exit_layer)
-        hidden = torch.cat([self.states, last.states], dim=1)  # [B, k + 1, H]
+        last = cache.step(tokens[:, -1], self.exit_layer)
+        hidden = torch.cat([self.states, last[:, None]], dim=1)  # [B, k + 1, H]
         cache.truncate(self.base)  # back to the committed columns; the early layers' entries stay in place
         if cache.columns != self.start:
             raise RuntimeError(f"early-exit verification would enter column {cache.columns}, drafting began at "
