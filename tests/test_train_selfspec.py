@@ -39,6 +39,13 @@ def test_layerskip_training_trains_the_exits(tmp_path):
     assert specdec.generate(target, "def add(a, b):", drafter=EarlyExit(), max_new_tokens=24).token_ids == reference
 
 
+def test_weak_exits_and_modules_are_warned_about():
+    said = []
+    assert ss.warn_if_weak({"exit1_agree": 0.1, "exit2_agree": 0.2}, said.append) and "WARNING" in said[-1]
+    assert ss.warn_if_weak({"mtp1_acc": 0.02}, said.append) and "MTP module" in said[-1]
+    assert not ss.warn_if_weak({"exit1_agree": 0.5, "mtp1_acc": 0.3}, said.append) and len(said) == 2
+
+
 def test_dropout_and_curriculum_follow_the_schedule():
     rates = ss.dropout_rates(8, 0.2)
     assert rates[0] == 0 and rates[-1] == pytest.approx(0.2) and all(a < b for a, b in zip(rates, rates[1:]))

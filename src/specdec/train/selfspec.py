@@ -313,8 +313,7 @@ def train_selfspec(config: SelfSpecConfig, target_dir: Path, out_dir: Path, *, c
                               "exit_loss": "final CE + exit_weight * sum over enabled exits of l/sum(l) * CE_l",
                               "curriculum": config.curriculum}
     export_variant(model, target_dir, out_dir, summary, config)
-    if config.method == "layerskip":
-        warn_exits(final, log)
+    warn_if_weak(final, log)
     return summary
 
 
@@ -324,12 +323,20 @@ def weights_fingerprint(main) -> str:
     return fingerprint(main.get_input_embeddings().weight, main.get_output_embeddings().weight)
 
 
-def warn_exits(metrics: dict[str, float], log: Callable[[str], None]) -> None:
-    """Say loudly when no early exit agrees with the final layer often enough to draft."""
+def warn_if_weak(metrics: dict[str, float], log: Callable[[str], None]) -> bool:
+    """Say loudly when no early exit agrees with the final layer, or the first MTP module predicts its
+    token, often enough to draft; returns whether it did."""
     agreements = [v for k, v in metrics.items() if k.endswith("_agree")]
     if agreements and max(agreements) < 0.3:
         log(f"WARNING: the best early exit agrees with the final layer on {max(agreements):.0%} of tokens: "
             f"early-exit drafting will accept almost nothing. Train longer or raise exit_weight.")
+        return True
+    first = metrics.get("mtp1_acc")
+    if first is not None and first < 0.1:
+        log(f"WARNING: the first MTP module predicts {first:.0%} of its tokens on validation data: its drafts "
+            f"will be accepted almost never. Train longer or raise mtp_weight.")
+        return True
+    return False
 
 
 def export_variant(model: SelfSpecModel, target_dir: Path, out_dir: Path, summary: dict, config: SelfSpecConfig,
