@@ -13,12 +13,12 @@ echo "== choosing the default exit layer: every exit, k = 4, code-completion (th
 specdec bench --threads 1 --target $Z/target --tasks code-completion --num-prompts 20 --max-new-tokens 128 \
   --backend native -k 4 --drafters early-exit=$Z/layerskip --exit-layers 1 2 3 4 5 6 7 --no-transformers \
   --output $OUT/selfspec-exit-layers.json
-echo "== code-completion: draft model, EAGLE-1/3, LayerSkip at exits 2/4/6 (+ recompute), MTP depths 1/2/3, transformers' own"
-specdec bench $COMMON --tasks code-completion -k 4 --drafters eagle eagle3 $SELF --exit-layers 2 4 6 \
+echo "== code-completion: draft model, EAGLE-1/3, LayerSkip at exits 2/4/6/7 (+ recompute), MTP depths 1/2/3, transformers' own"
+specdec bench $COMMON --tasks code-completion -k 4 --drafters eagle eagle3 $SELF --exit-layers 2 4 6 7 \
   --mtp-depths 1 2 3 --output $OUT/selfspec-code-completion.json
 for task in copy-edit long-context; do
   echo "== $task"
-  specdec bench $COMMON --tasks $task -k 4 --drafters eagle eagle3 $SELF --exit-layers 4 6 --mtp-depths 1 3 \
+  specdec bench $COMMON --tasks $task -k 4 --drafters eagle eagle3 $SELF --exit-layers 4 7 --mtp-depths 1 3 \
     --no-transformers --output $OUT/selfspec-$task.json
 done
 echo "== MTP: k = 1, 2, 3 at every depth; transformers' use_mtp=True (3 modules, 3 drafts) on the same weights"

@@ -12,10 +12,10 @@ an ordinary causal LM; the extra tensors are ignored by a plain loader):
   own head. The normed output is h^k, fed to module k + 1 (transformers' ``MtpModel`` does the
   same). Saved as DeepSeek-V3 saves them: extra layers ``model.layers.{L + k - 1}.*`` and
   ``num_nextn_predict_layers`` in config.json.
-* **Parallel heads** (Gloeckle et al.): head i is one decoder layer plus a norm on the trunk's
-  output, the input of the model's last layer (``hidden_states[L - 1]``); it predicts token
-  i + 1 + i ahead through the shared head (head 0 is the model's own last layer). Saved as
-  ``mtp_heads.{i - 1}.*``; no serving engine has a layout for them.
+* **Parallel heads** (Gloeckle et al.): the trunk is the model's first L - 1 layers and head 0
+  its last layer (the next token); extra head i (1-based) is one decoder layer plus a norm on the
+  trunk's output at position t (``hidden_states[L - 1]``) and predicts token t + 1 + i through the
+  shared head. Saved as ``mtp_heads.{i - 1}.*``; no serving engine has a layout for them.
 
 ``MtpNet`` holds the modules as PyTorch (training, the reference); the runtime in
 ``specdec.drafters.mtp`` packs them for the kernels or runs them through transformers.
