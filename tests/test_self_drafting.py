@@ -348,4 +348,5 @@ def test_trained_zoo_variants_equal_plain_decoding(name):
         for drafter in drafters:
             out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=48)
             assert out.token_ids == reference, f"{drafter.name} {dtype}"
-            assert out.stats.mean_accepted_length > 1.4, "the trained variant should accept drafts here"
+            floor = 1.2 if name == "mtp-parallel" else 1.4  # heads that skip the tokens between accept less
+            assert out.stats.mean_accepted_length > floor, "the trained variant should accept drafts here"
