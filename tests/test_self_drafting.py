@@ -350,3 +350,42 @@ def test_trained_zoo_variants_equal_plain_decoding(name):
             assert out.token_ids == reference, f"{drafter.name} {dtype}"
             floor = 1.2 if name == "mtp-parallel" else 1.4  # heads that skip the tokens between accept less
             assert out.stats.mean_accepted_length > floor, "the trained variant should accept drafts here"
+
+
+def test_bad_mtp_folders_are_one_line(mtp_dirs, tmp_path, capsys):
+    """A variant folder whose modules are missing, whose weights are truncated or whose MTP record is
+    malformed: one line on stderr, exit status 2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.commands.cli import main
+
+    source = mtp_dirs["llama", "sequential"]
+
+    def variant(name, change):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        change(folder)
+        return folder
+
+    def drop_module(folder):
+        weights = load_file(folder / "model.safetensors")
+        save_file({k: v for k, v in weights.items() if ".eh_proj." not in k}, folder / "model.safetensors")
+
+    def truncate(folder):
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+    def malform(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config["specdec_mtp"] = {"design": "sequential", "depth": 2, "colour": "blue"}
+        (folder / "config.json").write_text(json.dumps(config))
+
+    for name, change, text in (("missing", drop_module, "lacks model.layers"), ("truncated", truncate, "cannot read"),
+                               ("malformed", malform, "malformed specdec_mtp")):
+        folder = variant(name, change)
+        assert main(["generate", "--target", str(folder), "--backend", "native", "--drafter", "mtp",
+                     "--prompt", "x = 1", "--max-new-tokens", "4"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err

@@ -17,6 +17,8 @@ from specdec.train import loop
 from specdec.train import selfspec as ss
 from specdec.zoo import zoo_path
 
+from test_train_dflash import check_resume_is_exact
+
 QUIET = dict(log=lambda message: None)
 
 
@@ -96,16 +98,7 @@ def summary_history(folder):
 
 @pytest.mark.parametrize("method", ["layerskip", "mtp"])
 def test_resume_after_kill_is_exact(method, tmp_path):
-    config = tiny(method=method, optim=replace(ss.PRESETS["tiny"].optim, steps=8, ckpt_every_steps=4, eval_every=100))
-    ckpt = tmp_path / "ckpt"
-    ss.train_selfspec(config, zoo_path("target"), tmp_path / "a", ckpt_dir=ckpt, **QUIET)
-    full = torch.load(loop.list_checkpoints(ckpt)[-1], weights_only=False)
-    loop.list_checkpoints(ckpt)[-1].unlink()  # as if killed after step 4
-    ss.train_selfspec(config, zoo_path("target"), tmp_path / "b", ckpt_dir=ckpt, resume=True, **QUIET)
-    resumed = torch.load(loop.list_checkpoints(ckpt)[-1], weights_only=False)
-    assert resumed["step"] == full["step"] == 8
-    for name, value in full["model"].items():
-        assert torch.equal(value, resumed["model"][name]), name
+    check_resume_is_exact(ss.train_selfspec, tiny(method=method), tmp_path)
 
 
 def test_bad_options_are_one_line(tmp_path, capsys):

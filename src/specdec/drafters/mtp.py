@@ -126,12 +126,25 @@ def shift_in(last: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torc
     return shifted
 
 
-class NativeSequential(Drafting):
+class NativeModules(Drafting):
+    """What both native designs keep: one KV cache per module or head, and each one's output at its
+    last committed slot."""
+
     def __init__(self, runtime, context: DecodeContext, batch_size: int):
         super().__init__(context)
         self.runtime = runtime
         self.caches = [runtime.new_cache(i, batch_size, context.cache_capacity) for i in range(runtime.depth)]
-        self.last: list[torch.Tensor] = []   # per module [B, H]: its output at its last committed slot
+        self.last: list[torch.Tensor] = []   # per module [B, H]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.select_rows(index)
+        self.last = [value.index_select(0, index) for value in self.last]
+
+
+class NativeSequential(NativeModules):
+    def __init__(self, runtime, context: DecodeContext, batch_size: int):
+        super().__init__(runtime, context, batch_size)
         self.base: list[torch.Tensor] | None = None
 
     def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
@@ -182,19 +195,8 @@ class NativeSequential(Drafting):
                 cache.compact()
             self.base = None
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        for cache in self.caches:
-            cache.select_rows(index)
-        self.last = [value.index_select(0, index) for value in self.last]
 
-
-class NativeParallel(Drafting):
-    def __init__(self, runtime, context: DecodeContext, batch_size: int):
-        super().__init__(context)
-        self.runtime = runtime
-        self.caches = [runtime.new_cache(i, batch_size, context.cache_capacity) for i in range(runtime.depth)]
-        self.last: list[torch.Tensor] = []
-
+class NativeParallel(NativeModules):
     def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
         trunk = features.states[:, :, 0]
         dummy = torch.zeros(trunk.shape[:2], dtype=torch.long, device=trunk.device)
@@ -210,11 +212,6 @@ class NativeParallel(Drafting):
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # drafting adds nothing to the heads' caches
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        for cache in self.caches:
-            cache.select_rows(index)
-        self.last = [value.index_select(0, index) for value in self.last]
 
 
 class RecomputeSession(Drafting):
