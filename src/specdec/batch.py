@@ -49,3 +49,23 @@ class Sequences:
     def select_rows(self, index: torch.Tensor) -> None:
         self.tokens = self.tokens.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
+
+    def extend(self, other: "Sequences") -> None:
+        """Append the rows of ``other`` (requests joining the batch); the capacity becomes the larger one."""
+        self.tokens = cat_rows(self.tokens, other.tokens)  # entries past a row's length are never read
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+def pad_columns(values: torch.Tensor, columns: int, fill, left: bool = False) -> torch.Tensor:
+    """values [B, T, ...] widened to ``columns`` along dim 1 with ``fill`` (on the right, or the left)."""
+    missing = columns - values.shape[1]
+    if missing <= 0:
+        return values
+    pad = values.new_full((values.shape[0], missing, *values.shape[2:]), fill)
+    return torch.cat([pad, values] if left else [values, pad], dim=1)
+
+
+def cat_rows(first: torch.Tensor, second: torch.Tensor, fill=0, left: bool = False) -> torch.Tensor:
+    """Rows of both [B, T, ...] tensors, the narrower one padded along dim 1 with ``fill``."""
+    columns = max(first.shape[1], second.shape[1])
+    return torch.cat([pad_columns(first, columns, fill, left), pad_columns(second, columns, fill, left)])

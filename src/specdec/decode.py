@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
+from specdec.drafters.base import Drafter, Proposal, TargetFeatures, TreeConfig
 from specdec.drafters.none import NoDraft
-from specdec.errors import ContextLengthError, InvalidArgumentError, NumericsWarning, UnsupportedModelError
-from specdec.processors import GenerationProcessors
-from specdec.sampling import SamplingConfig, probabilities, sample
+from specdec.errors import ContextLengthError, InvalidArgumentError, NumericsWarning
+from specdec.sampling import SamplingConfig, probabilities
 from specdec.stats import Stats
 from specdec.backends.target import Target
 from specdec.verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -99,117 +98,22 @@ def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_
 
 def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
                  config: GenerationConfig) -> GenerationOutput:
+    """The one-shot path: every prompt joins the engine at once, and it steps until all finish."""
+    from specdec.engine import Engine, Request
+
     check_context(target, prompts, config)
-    if config.tree is not None and not target.backend.supports_trees:
-        raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees: "
-                                    f"{target.backend.reason or 'it cannot take a tree attention mask'}")
-    exact = bool(getattr(target.backend, "exact_numerics", False))
-    if not exact and not isinstance(drafter, NoDraft):
-        warn_inexact(target)
     started = time.perf_counter()
-    device = target.device
-    batch = len(prompts)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-    processors = GenerationProcessors.for_target(target, prompts, config.max_new_tokens)
-    stats = Stats(drafter=drafter.name, draft_schedule=config.draft_schedule, batch_size=batch,
-                  backend=target.backend.description, exact_numerics=exact,
-                  logits_processors=processors.names if processors else [])
-    outputs: list[list[int]] = [[] for _ in prompts]
+    engine = Engine(target, drafter, num_draft_tokens=config.num_draft_tokens, tree=config.tree,
+                    max_batch_size=max(1, len(prompts)), max_queue=max(1, len(prompts)), stream=False,
+                    draft_schedule=config.draft_schedule, max_draft_tokens=config.max_draft_tokens)
+    stats = engine.stats
+    stats.batch_size = len(prompts)
     if config.max_new_tokens == 0:
-        return _finish(target, outputs, stats, started)
-
-    pad = target.pad_token_id
-    static_tree = int(getattr(drafter, "tree_nodes", 0))  # a drafter's own static tree (Medusa) sets its width
-    width = max(config.k_limit, static_tree)  # the widest block of drafts a step may verify
-    capacity = max(len(p) for p in prompts) + config.max_new_tokens + width + 2
-    seqs = Sequences(prompts, capacity, pad, device=device)
-    prompt_lengths = seqs.lengths.clone()
-    rows = torch.arange(batch, device=device)  # original index of each live row
-    eos = torch.tensor(target.eos_token_ids or [-1], device=device)
-    context = DecodeContext(target, config.sampling, generator, config.max_new_tokens, width,
-                            cache_capacity(prompts, config, static_tree), config.tree)
-    session = drafter.start(context, seqs)
-    layers = (getattr(drafter, "features", None) or FeatureSpec()).hidden_layers  # what it reads of the target
-
-    # Prefill: the whole prompt, left-padded; its last logits give the first new token.
-    cache = target.new_cache(batch, context.cache_capacity)
-    if hasattr(session, "share_cache"):  # self-drafting: the drafter runs the target's first layers in it
-        session.share_cache(cache)
-    verify_forward = getattr(session, "verify_forward", None) or target.forward
-    tick = time.perf_counter()
-    tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
-    logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=layers)
-    if processors is not None:
-        logits = processors.apply(seqs, prompt_lengths, logits)
-    first = logits[:, -1].argmax(-1) if config.sampling.greedy else sample(
-        probabilities(logits[:, -1], config.sampling), generator)
-    stats.target_forwards += 1
-    stats.prefill_time = time.perf_counter() - tick
-    seqs.append(first[:, None], torch.ones_like(seqs.lengths))
-    generated = torch.ones_like(seqs.lengths)
-    if layers:  # the prompt's features, right-aligned with the pending (first) token already
-        tick = time.perf_counter()
-        session.observe(seqs, TargetFeatures(hidden, valid))
-        stats.draft_time += time.perf_counter() - tick
-    done = (generated >= config.max_new_tokens) | torch.isin(first, eos)
-
-    k = config.num_draft_tokens
-    while True:
-        if bool(done.any()):
-            for live, original in zip(done.nonzero().squeeze(1).tolist(), rows[done].tolist()):
-                outputs[original] = seqs.tokens[live, int(prompt_lengths[live]): int(seqs.lengths[live])].tolist()
-            keep = (~done).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            rows, prompt_lengths, generated = rows[keep], prompt_lengths[keep], generated[keep]
-            done = done[keep]
-            seqs.select_rows(keep)
-            cache.select_rows(keep)
-            session.select_rows(keep)
-
-        tick = time.perf_counter()
-        proposal = session.propose(seqs, k).clamp(config.max_new_tokens - generated - 1)
-        stats.draft_time += time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        process = processors and (lambda lg: processors.apply(seqs, prompt_lengths, lg, proposal.tokens,
-                                                               proposal.parents))
-        num_accepted, next_token, accepted, keep, hidden = _verify(verify_forward, cache, seqs, proposal,
-                                                                   config.sampling, generator, process, layers)
-        # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
-        if proposal.k:
-            cache.truncate(cache.lengths - proposal.lengths + num_accepted, keep)
-            cache.compact()
-        new_tokens = torch.cat([accepted, next_token[:, None]], dim=1)
-        new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-        counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, eos)
-        counts = torch.minimum(counts, config.max_new_tokens - generated)
-        seqs.append(new_tokens, counts)
-        generated = generated + counts
-        done = hit_eos | (generated >= config.max_new_tokens)
-        stats.target_forwards += 1
-        stats.verify_time += time.perf_counter() - tick
-
-        tick = time.perf_counter()
-        session.accepted(seqs, num_accepted)
-        if layers:
-            feature_tick = time.perf_counter()
-            features = committed_features(hidden, keep, counts)
-            stats.feature_time += time.perf_counter() - feature_tick
-            session.observe(seqs, features)
-        stats.draft_time += time.perf_counter() - tick
-        if proposal.is_tree:
-            deepest = proposal.depths().max(1).values if proposal.k else proposal.lengths
-            stats.record_step(int(deepest.max()) if proposal.k else 0, deepest, num_accepted, proposal.lengths)
-        else:
-            stats.record_step(proposal.k, proposal.lengths, num_accepted)
-        if config.draft_schedule == "heuristic":
-            full = bool((num_accepted == proposal.lengths).all())
-            k = min(k + 2, config.k_limit) if full else max(1, k - 1)
-
-    stats.cache_bytes = cache.memory_bytes
-    stats.cache_grown = getattr(cache, "grown", 0)
-    return _finish(target, outputs, stats, started)
+        return _finish(target, [[] for _ in prompts], stats, started)
+    # One batch, one seed: the generator of the first (only) group is seeded with config.seed.
+    requests = [Request(list(p), config.max_new_tokens, config.sampling, config.seed) for p in prompts]
+    states = engine.run(requests)
+    return _finish(target, [s.tokens for s in states], stats, started)
 
 
 def warn_inexact(target: Target) -> None:
@@ -225,13 +129,16 @@ def warn_inexact(target: Target) -> None:
                   NumericsWarning, stacklevel=3)
 
 
-def cache_capacity(prompts: list[list[int]], config: GenerationConfig, static_tree: int = 0) -> int:
+def cache_capacity(prompts: list[list[int]], config: GenerationConfig, static_tree: int = 0,
+                   ragged: bool | None = None) -> int:
     """Columns a KV cache of this generation may hold: every token, a block of drafts, and the holes
     a ragged batch or a tree keeps until ``compact`` (at most max(32, half the longest row)).
-    static_tree: the nodes of a drafter's own fixed tree, when it has one."""
+    static_tree: the nodes of a drafter's own fixed tree, when it has one; ragged: rows will be
+    ragged (default: when there are several prompts)."""
     longest = max(len(p) for p in prompts) + config.max_new_tokens
     width = max(config.k_limit, static_tree)
-    holes = max(32, longest // 2) + width if len(prompts) > 1 or config.tree or static_tree else 0
+    ragged = len(prompts) > 1 if ragged is None else ragged
+    holes = max(32, longest // 2) + width if ragged or config.tree or static_tree else 0
     return longest + width + 2 + holes
 
 
@@ -264,7 +171,7 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
 
     Returns (num_accepted [B], next_token [B], accepted tokens [B, D] (row b keeps its first
     num_accepted[b]), keep [B, k+1] bool over the block's columns for trees, else None, hidden
-    states [B, k+1, len(layers), H] of the block or None).
+    states [B, k+1, len(layers), H] of the block or None, the block's processed logits [B, k+1, V]).
     """
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
@@ -280,7 +187,7 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
         else:
             num_accepted, next_token = verify_sampling(probabilities(logits, sampling), proposal.tokens,
                                                        proposal.lengths, proposal.probs, generator)
-        return num_accepted, next_token, proposal.tokens, None, hidden
+        return num_accepted, next_token, proposal.tokens, None, hidden, logits
     parents, lengths = proposal.parents, proposal.lengths
     batch, size = proposal.tokens.shape
     mask = torch.zeros(batch, size + 1, size + 1, dtype=torch.bool, device=tokens.device)
@@ -301,7 +208,7 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
     keep = torch.zeros(batch, size + 1, dtype=torch.bool, device=tokens.device)
     keep[:, 0] = True
     keep.scatter_(1, path + 1, True)  # -1 padding marks the root again
-    return num_accepted, next_token, accepted, keep, hidden
+    return num_accepted, next_token, accepted, keep, hidden, logits
 
 
 def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):

@@ -18,36 +18,50 @@ from specdec.batch import Sequences
 
 
 class GenerationProcessors:
-    def __init__(self, model, prompt_lengths: list[int], max_new_tokens: int, device=None):
-        # Processors depend on the prompt length (minimum new tokens, forced EOS), so one list per length.
-        self.lists = {n: hf.logits_processors(model, n, max_new_tokens, device)
-                      for n in sorted(set(prompt_lengths))}
+    def __init__(self, model, prompt_lengths: list[int], max_new_tokens: list[int], device=None):
+        # Processors depend on the prompt length and the token budget (minimum new tokens, forced EOS),
+        # so one list per (prompt length, max_new_tokens).
+        self.lists = {(n, m): hf.logits_processors(model, n, m, device)
+                      for n, m in sorted(set(zip(prompt_lengths, max_new_tokens)))}
         self.names = sorted({type(p).__name__ for procs in self.lists.values() for p in procs or ()})
 
     @classmethod
-    def for_target(cls, target, prompts: list[list[int]], max_new_tokens: int) -> "GenerationProcessors | None":
-        """None when the target's generation config asks for no logits processing (the usual case)."""
+    def for_target(cls, target, prompts: list[list[int]], max_new_tokens: int | list[int]) -> "GenerationProcessors | None":
+        """None when the target's generation config asks for no logits processing (the usual case).
+        max_new_tokens: one for all prompts, or each prompt's."""
         if target.generation_config is None:
             return None
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * len(prompts)
         try:
             model = target.generation_model()
-            processors = cls(model, [len(p) for p in prompts], max_new_tokens, target.device)
+            processors = cls(model, [len(p) for p in prompts], list(max_new_tokens), target.device)
         except Exception as exc:  # an unusual generation config: say what is not applied, once
             warnings.warn(f"specdec does not apply {target.name}'s generation-config logits processing "
                           f"({hf.first_line(exc)}); outputs may differ from model.generate()", stacklevel=3)
             return None
         return processors if processors.names else None
 
+    @staticmethod
+    def merged(first: "GenerationProcessors | None", second: "GenerationProcessors | None"):
+        """The processors of two sets of rows joined in one batch."""
+        if first is None or second is None:
+            return first or second
+        first.lists.update(second.lists)
+        first.names = sorted(set(first.names) | set(second.names))
+        return first
+
     def apply(self, seqs: Sequences, prompt_lengths: torch.Tensor, logits: torch.Tensor,
-              drafts: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
+              drafts: torch.Tensor | None = None, parents: torch.Tensor | None = None,
+              budgets: torch.Tensor | None = None) -> torch.Tensor:
         """Processed logits [B, m, V]: position j of row b continues its committed tokens + drafts[b, :j],
         or for a tree (``parents`` [B, m - 1]) the drafts on the path to node j - 1.
 
-        prompt_lengths: [B] of the live rows; drafts: [B, m - 1] or None (m = 1).
+        prompt_lengths, budgets: [B] of the live rows (their max_new_tokens); drafts: [B, m - 1] or None (m = 1).
         """
         out = logits.float().clone()
         for row in range(logits.shape[0]):
-            processors = self.lists[int(prompt_lengths[row])]
+            processors = self.lists[(int(prompt_lengths[row]), int(budgets[row]))]
             if processors is None:
                 continue
             length = int(seqs.lengths[row])

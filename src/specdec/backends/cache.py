@@ -126,6 +126,20 @@ class RaggedCache:
         self.positions = self.positions.index_select(0, index)
         self._select_rows(index)
 
+    def extend(self, other: "RaggedCache") -> None:
+        """Append the rows of ``other`` (a cache of the same model holding requests that join the batch).
+
+        The narrower cache gets holes on the right (invalid columns), so both have the same columns;
+        every row keeps its live tokens, positions and order.
+        """
+        from specdec.batch import cat_rows
+
+        columns = max(self.columns, other.columns)
+        self._extend(other, columns)
+        self.valid = cat_rows(self.valid, other.valid, False)
+        self.positions = cat_rows(self.positions, other.positions, 0)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
     def compact(self, slack: float = 0.5, minimum: int = 32) -> bool:
         """Right-align each row's live columns when holes exceed ``slack`` of the cache (or ``minimum``)."""
         longest = int(self.lengths.max()) if self.lengths.numel() else 0
@@ -151,6 +165,10 @@ class RaggedCache:
 
     def _gather_columns(self, order: torch.Tensor) -> None:
         """Column ``order[b, t]`` of row b becomes its column t. order: [B, T']."""
+        raise NotImplementedError
+
+    def _extend(self, other: "RaggedCache", columns: int) -> None:
+        """Storage of ``other``'s rows after this cache's, both ``columns`` wide (the bookkeeping follows)."""
         raise NotImplementedError
 
     @property

@@ -212,6 +212,33 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
         layer.values = values.index_select(0, index)
 
 
+def extend_rows(cache: Cache, other: Cache, rows: tuple[int, int], columns: int) -> None:
+    """Append the rows of ``other`` to ``cache`` (rows: the batch sizes of both), keys and values padded
+    with zero columns on the right to ``columns``. Either may be empty (a cache nothing ran in yet)."""
+    mine, theirs = list(cache_tensors(cache)), list(cache_tensors(other))
+    if not mine and not theirs:
+        return
+    if not mine:  # adopt the other's layers, with this cache's rows in front
+        cache.layers = other.layers
+        mine, theirs = theirs, []
+        rows = rows[::-1]
+        front = True
+    else:
+        front = False
+
+    def widen(states: torch.Tensor) -> torch.Tensor:
+        missing = columns - states.shape[2]
+        return torch.cat([states, states.new_zeros(*states.shape[:2], missing, states.shape[3])], dim=2)
+
+    for index, (layer, keys, values) in enumerate(mine):
+        joined = []
+        for slot, states in ((1, keys), (2, values)):
+            more = theirs[index][slot] if theirs else states.new_zeros(rows[1], states.shape[1], 0, states.shape[3])
+            parts = [widen(states), widen(more)]
+            joined.append(torch.cat(parts[::-1] if front else parts))
+        layer.keys, layer.values = joined
+
+
 def cache_bytes(cache: Cache) -> int:
     total = 0
     for layer, keys, values in cache_tensors(cache):
@@ -304,6 +331,9 @@ class HFCache(RaggedCache):
     def _gather_columns(self, order: torch.Tensor) -> None:
         gather_columns(self.hf_cache, order)
 
+    def _extend(self, other: "HFCache", columns: int) -> None:
+        extend_rows(self.hf_cache, other.hf_cache, (self.batch_size, other.batch_size), columns)
+
     @property
     def memory_bytes(self) -> int:
         return cache_bytes(self.hf_cache)
@@ -369,6 +399,9 @@ class RowwiseCache(RaggedCache):
 
     def _gather_columns(self, order: torch.Tensor) -> None:
         pass  # rows hold no holes
+
+    def _extend(self, other: "RowwiseCache", columns: int) -> None:
+        self.row_caches = self.row_caches + other.row_caches
 
     @property
     def memory_bytes(self) -> int:

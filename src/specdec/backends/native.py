@@ -249,6 +249,22 @@ class NativeCache(RaggedCache):
         self.scratch.clear()  # shaped for the old batch size
 
     @torch.inference_mode()
+    def _extend(self, other: "NativeCache", columns: int) -> None:
+        capacity = max(self.capacity, other.capacity, columns)
+        first, second = self.kv, other.kv
+        if first.shape[4] == capacity and second.shape[4] == capacity:
+            self.kv = torch.cat([first, second], dim=2)
+        else:  # columns past ``columns`` are unused: copy only the used ones
+            layers, two, b1, heads, _, dim = first.shape
+            kv = first.new_empty(layers, two, b1 + second.shape[2], heads, capacity, dim)
+            kv[:, :, :b1, :, : self.columns] = first[:, :, :, :, : self.columns]
+            kv[:, :, b1:, :, : other.columns] = second[:, :, :, :, : other.columns]
+            self.kv = kv
+        self.model.reserve(capacity)
+        self.grown += other.grown
+        self.scratch.clear()  # shaped for the old batch size
+
+    @torch.inference_mode()
     def _gather_columns(self, order: torch.Tensor) -> None:
         layers, two, batch, heads, _, dim = self.kv.shape
         width = order.shape[1]

@@ -123,6 +123,10 @@ class DraftSession(Protocol):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only rows ``index`` (finished rows leave the batch)."""
 
+    def extend(self, other: "DraftSession") -> None:
+        """Append the rows of ``other``, a session of the same drafter opened for requests joining the
+        batch (between steps: both have seen their rows' committed tokens and features)."""
+
     # Sessions that draft with the target's own first layers (early exit) also implement:
     # def share_cache(self, cache) -> None:
     #     """The target's KV cache of this call, given once before the prefill."""
@@ -149,4 +153,7 @@ class StatelessSession:
         pass
 
     def select_rows(self, index: torch.Tensor) -> None:
+        pass
+
+    def extend(self, other) -> None:
         pass

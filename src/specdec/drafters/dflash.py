@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from specdec.batch import Sequences
+from specdec.batch import Sequences, cat_rows
 from specdec.errors import InvalidArgumentError
 from specdec.models import dflash
 from specdec.sampling import probabilities, sample
@@ -106,3 +106,21 @@ class DFlashSession:
         self.cache.select_rows(index)
         if self.states is not None:
             self.states, self.valid = self.states.index_select(0, index), self.valid.index_select(0, index)
+
+    def extend(self, other: "DFlashSession") -> None:
+        self.cache.extend(other.cache)
+        if self.states is None and other.states is None:
+            return
+        like = self.states if self.states is not None else other.states
+        (states, valid), (more, more_valid) = self.waiting(like), other.waiting(like)
+        # Waiting features are right-aligned: the shorter side is padded with invalid columns on the left.
+        self.states = cat_rows(states, more.to(states.dtype), 0, left=True)
+        self.valid = cat_rows(valid, more_valid, False, left=True)
+
+    def waiting(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states [B, m, F], valid [B, m]) of the features not yet in the cache (m = 0 when none)."""
+        if self.states is not None:
+            return self.states, self.valid
+        batch = self.cache.batch_size
+        return (like.new_zeros(batch, 0, like.shape[2]),
+                torch.zeros(batch, 0, dtype=torch.bool, device=like.device))

@@ -157,3 +157,6 @@ class DraftModelSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
+
+    def extend(self, other: "DraftModelSession") -> None:
+        self.cache.extend(other.cache)

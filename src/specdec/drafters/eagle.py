@@ -168,3 +168,7 @@ class EagleSession:
         self.cache.select_rows(index)
         if self.last is not None:
             self.last = self.last.index_select(0, index)
+
+    def extend(self, other: "EagleSession") -> None:
+        self.cache.extend(other.cache)
+        self.last = torch.cat([self.last, other.last])

@@ -145,3 +145,6 @@ class SharedLayersSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         pass  # the loop selects the shared cache's rows
+
+    def extend(self, other: "SharedLayersSession") -> None:
+        pass  # the loop extends the shared cache

@@ -84,3 +84,6 @@ class MedusaSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.feature = self.feature.index_select(0, index)
+
+    def extend(self, other: "MedusaSession") -> None:
+        self.feature = torch.cat([self.feature, other.feature])

@@ -141,6 +141,11 @@ class NativeModules(Drafting):
             cache.select_rows(index)
         self.last = [value.index_select(0, index) for value in self.last]
 
+    def extend(self, other: "NativeModules") -> None:
+        for cache, theirs in zip(self.caches, other.caches):
+            cache.extend(theirs)
+        self.last = [torch.cat([mine, theirs]) for mine, theirs in zip(self.last, other.last)]
+
 
 class NativeSequential(NativeModules):
     def __init__(self, runtime, context: DecodeContext, batch_size: int):
@@ -274,3 +279,6 @@ class RecomputeSession(Drafting):
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.states = [self.states[i] for i in index.tolist()]
+
+    def extend(self, other: "RecomputeSession") -> None:
+        self.states = self.states + other.states

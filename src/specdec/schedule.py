@@ -1,0 +1,236 @@
+"""How many drafts a step verifies: fixed, a per-batch-size table, or chosen from the load.
+
+A policy is asked once per step and group (``draft_tokens``) and told what happened (``observe``).
+Whatever it decides, output is unchanged: it decides before the target sees this step's drafts,
+from what earlier steps measured, so the choice never depends on whether they will be accepted.
+
+``LoadAware`` maximises expected committed tokens per second. At start-up it times the target's
+verification pass T(b, n) for b rows of n tokens on this machine; each step it estimates, for
+k = 0, 1, 2, ..., the tokens a step commits (b rows times 1 + the survival probabilities of the
+first k drafts, from the acceptance observed at each position) over the step's cost (T(b, k + 1),
+k drafts at the drafting cost observed for this batch size, the engine's own overhead), and stops
+at the first k that lowers it. Under load the verification of extra drafts costs more than they
+return, and the policy drafts less, down to plain decoding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+
+
+class FixedK:
+    """The engine's k (or its heuristic schedule) at every step."""
+
+    name = "fixed"
+
+    def prepare(self, engine) -> None:
+        pass
+
+    def draft_tokens(self, engine, group) -> int:
+        return engine.config.num_draft_tokens
+
+    def observe(self, engine, group, proposal, num_accepted, timing: dict) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class StaticTable(FixedK):
+    """vLLM's ``num_speculative_tokens_per_batch_size``: k by batch size, 0 turning speculation off.
+
+    table: {smallest batch size: k}; a batch of b rows uses the entry of the largest size <= b.
+    """
+
+    name = "static"
+
+    def __init__(self, table: dict[int, int]):
+        if not table or 1 not in table:
+            raise InvalidArgumentError(f"a per-batch-size table needs an entry for batch size 1, got {table}")
+        if any(b < 1 or k < 0 for b, k in table.items()):
+            raise InvalidArgumentError(f"batch sizes must be >= 1 and draft lengths >= 0, got {table}")
+        self.sizes = sorted(table)
+        self.table = dict(table)
+
+    def draft_tokens(self, engine, group) -> int:
+        size = self.sizes[bisect.bisect_right(self.sizes, group.size) - 1]
+        return min(self.table[size], engine.config.k_limit)
+
+    def describe(self) -> str:
+        return "static " + ",".join(f"{b}:{self.table[b]}" for b in self.sizes)
+
+
+class LoadAware(FixedK):
+    """Drafts per step chosen from the profiled cost of verification and the observed acceptance.
+
+    max_draft_tokens: the most drafts a step may verify (default: the engine's k).
+    decay: weight of the past in the acceptance and cost estimates (per step).
+    prior: acceptance assumed at a position before any draft there was verified.
+    """
+
+    name = "load-aware"
+
+    def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
+                 context: int = 64, repeats: int = 3):
+        self.max_draft_tokens, self.decay, self.prior = max_draft_tokens, decay, prior
+        self.context, self.repeats = context, repeats
+        self.sizes: list[int] = []
+        self.table: dict[tuple[int, int], float] = {}   # (rows, tokens per row) -> seconds of one pass
+        self.accepted: list[float] = []    # decayed counts per position: accepted
+        self.evaluated: list[float] = []   # ... and evaluated (reached: every earlier draft accepted)
+        self.draft_cost: dict[int, float] = {}  # batch size -> seconds per draft token
+        self.overhead: dict[int, float] = {}    # batch size -> seconds per step beyond the passes
+        self.enabled = True
+        self.last_choice = 0
+
+    def prepare(self, engine) -> None:
+        self.enabled = engine.speculates and engine.tree is None and not engine.static_tree
+        if not self.enabled:
+            return
+        if engine.config.draft_schedule != "constant":
+            raise InvalidArgumentError("the load-aware policy chooses k itself: use the constant draft schedule")
+        self.k_max = min(self.max_draft_tokens or engine.config.num_draft_tokens, engine.config.k_limit)
+        started = time.perf_counter()
+        self.sizes = sizes_up_to(engine.max_batch_size)
+        self.table = profile(engine.target, self.sizes, self.k_max + 1, self.context, self.repeats)
+        engine.profile_seconds = time.perf_counter() - started
+
+    # Estimates --------------------------------------------------------------------------------
+    def verify_seconds(self, rows: int, width: int) -> float:
+        """T(rows, width), interpolated linearly in the batch size between profiled sizes."""
+        sizes = self.sizes
+        if rows >= sizes[-1]:
+            return self.table[sizes[-1], width] * rows / sizes[-1]
+        upper = bisect.bisect_left(sizes, rows)
+        if sizes[upper] == rows or upper == 0:
+            return self.table[sizes[upper], width]
+        low, high = sizes[upper - 1], sizes[upper]
+        share = (rows - low) / (high - low)
+        return (1 - share) * self.table[low, width] + share * self.table[high, width]
+
+    def acceptance(self, position: int) -> float:
+        """P(draft ``position`` (0-based) is accepted | every earlier one was)."""
+        if position < len(self.evaluated) and self.evaluated[position] > 0:
+            weight = 2.0  # the prior counts as two observations
+            return (self.accepted[position] + weight * self.prior) / (self.evaluated[position] + weight)
+        return self.acceptance(position - 1) if position > 0 else self.prior
+
+    @staticmethod
+    def nearest(values: dict[int, float], rows: int) -> float:
+        """The estimate measured at the batch size nearest ``rows`` (0 before any)."""
+        return values[min(values, key=lambda b: abs(b - rows))] if values else 0.0
+
+    def rate(self, rows: int, k: int) -> float:
+        """Expected committed tokens per second of a step with k drafts per row."""
+        survival, tokens = 1.0, 1.0
+        for position in range(k):
+            survival *= self.acceptance(position)
+            tokens += survival
+        cost = (self.verify_seconds(rows, k + 1) + k * self.nearest(self.draft_cost, rows)
+                + self.nearest(self.overhead, rows))
+        return rows * tokens / cost
+
+    def draft_tokens(self, engine, group) -> int:
+        if not self.enabled:
+            return engine.config.num_draft_tokens
+        rows, best, k = group.size, self.rate(group.size, 0), 0
+        while k < self.k_max:
+            candidate = self.rate(rows, k + 1)
+            if candidate <= best:
+                break  # the first draft that lowers the expected rate ends the search
+            best, k = candidate, k + 1
+        self.last_choice = k
+        return k
+
+    def observe(self, engine, group, proposal, num_accepted, timing: dict) -> None:
+        if not self.enabled:
+            return
+        rows, k = proposal.lengths.shape[0], proposal.k
+        if k:
+            lengths, accepted = proposal.lengths, num_accepted
+            positions = torch.arange(k, device=lengths.device)
+            reached = ((accepted[:, None] >= positions) & (lengths[:, None] > positions)).sum(0).tolist()
+            took = (accepted[:, None] > positions).sum(0).tolist()
+            while len(self.evaluated) < k:
+                self.evaluated.append(0.0)
+                self.accepted.append(0.0)
+            for j in range(len(self.evaluated)):
+                self.evaluated[j] *= self.decay
+                self.accepted[j] *= self.decay
+            for j in range(k):
+                self.evaluated[j] += reached[j]
+                self.accepted[j] += took[j]
+            self.draft_cost[rows] = blend(self.draft_cost.get(rows), timing["draft"] / k, self.decay)
+        extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, k + 1))
+        self.overhead[rows] = blend(self.overhead.get(rows), extra, self.decay)
+
+    def describe(self) -> str:
+        return f"load-aware (k <= {getattr(self, 'k_max', self.max_draft_tokens)})"
+
+
+def blend(old: float | None, new: float, decay: float) -> float:
+    return new if old is None else decay * old + (1 - decay) * new
+
+
+def sizes_up_to(largest: int) -> list[int]:
+    """Batch sizes the profile measures: powers of two up to ``largest``, and ``largest``."""
+    sizes, size = [], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+@torch.inference_mode()
+def profile(target, sizes: list[int], widths: int, context: int, repeats: int) -> dict[tuple[int, int], float]:
+    """Seconds of one verification pass of b rows x n tokens after ``context`` tokens, n = 1..widths.
+
+    Each entry is the median of ``repeats`` passes (after one warm-up), rolled back after each.
+    """
+    table = {}
+    vocab = target.vocab_size
+    for rows in sizes:
+        cache = target.new_cache(rows, context + widths + 2)
+        prompt = torch.randint(0, vocab, (rows, context), generator=torch.Generator().manual_seed(0))
+        target.forward(cache, prompt.to(target.device))
+        for width in range(1, widths + 1):
+            block = torch.randint(0, vocab, (rows, width), generator=torch.Generator().manual_seed(width))
+            block = block.to(target.device)
+            times = []
+            for _ in range(repeats + 1):
+                tick = time.perf_counter()
+                target.forward(cache, block, logits_to_keep=width)
+                times.append(time.perf_counter() - tick)
+                cache.truncate(cache.lengths - width)
+            table[rows, width] = statistics.median(times[1:])
+    return table
+
+
+def parse_policy(text: str | None, max_draft_tokens: int | None = None):
+    """A policy from its command-line form: ``fixed``, ``load-aware`` or ``static:1=4,8=2,32=0``
+    (batch size ``=`` or ``:`` k; vLLM's num_speculative_tokens_per_batch_size)."""
+    if text is None or text == "fixed":
+        return FixedK()
+    if text == "load-aware":
+        return LoadAware(max_draft_tokens)
+    if text.startswith("static:"):
+        return StaticTable(parse_table(text.removeprefix("static:")))
+    raise InvalidArgumentError(f"a policy is fixed, load-aware or static:SIZE=K,..., got {text!r}")
+
+
+def parse_table(text: str) -> dict[int, int]:
+    """'1:4,8:2,32:0' (or with '=') -> {1: 4, 8: 2, 32: 0}."""
+    table = {}
+    try:
+        for entry in text.split(","):
+            size, k = entry.replace("=", ":").split(":")
+            table[int(size)] = int(k)
+    except ValueError:
+        raise InvalidArgumentError(f"a per-batch-size table is SIZE:K,... like 1:4,8:2,32:0, got {text!r}")
+    return table
