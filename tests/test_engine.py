@@ -34,6 +34,7 @@ class Alternate:
     """A policy that drafts k at even steps and nothing at odd ones (drafting switched off and on)."""
 
     name = "alternate"
+    wants_counts = False
 
     def __init__(self, k: int):
         self.k, self.calls = k, 0
@@ -45,7 +46,7 @@ class Alternate:
         self.calls += 1
         return self.k if self.calls % 2 else 0
 
-    def observe(self, engine, group, proposal, num_accepted, timing):
+    def observe(self, engine, group, width, proposed, accepted, timing):
         pass
 
 

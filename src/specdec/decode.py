@@ -17,7 +17,7 @@ from specdec.batch import Sequences
 from specdec.drafters.base import Drafter, Proposal, TargetFeatures, TreeConfig
 from specdec.drafters.none import NoDraft
 from specdec.errors import ContextLengthError, InvalidArgumentError, NumericsWarning
-from specdec.sampling import SamplingConfig, probabilities
+from specdec.sampling import SamplingConfig, probabilities, sample
 from specdec.stats import Stats
 from specdec.backends.target import Target
 from specdec.verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -174,6 +174,15 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
     states [B, k+1, len(layers), H] of the block or None, the block's processed logits [B, k+1, V]).
     """
     pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])  # [B, 1]
+    if not proposal.k:  # plain decoding: one live token per row
+        logits, hidden = forward(cache, pending, None, logits_to_keep=1, hidden_layers=layers)
+        if process is not None:
+            logits = process(logits)
+        if sampling.greedy:
+            next_token = logits[:, 0].argmax(-1)
+        else:
+            next_token = sample(probabilities(logits[:, 0], sampling), generator)
+        return proposal.lengths, next_token, proposal.tokens, None, hidden, logits
     tokens = torch.cat([pending, proposal.tokens], dim=1)  # [B, k+1]
     slots = torch.arange(proposal.k + 1, device=tokens.device)
     valid = slots[None, :] <= proposal.lengths[:, None]

@@ -290,10 +290,17 @@ class Group:
         self.processors: GenerationProcessors | None = None
         self.k = engine.config.num_draft_tokens  # the heuristic schedule's state
         self.empty: Proposal | None = None
+        self._ones: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return len(self.states)
+
+    def ones(self) -> torch.Tensor:
+        """[B] ones (kept until the rows change)."""
+        if self._ones is None:
+            self._ones = torch.ones(self.size, dtype=torch.long, device=self.seqs.tokens.device)
+        return self._ones
 
     def admit(self, cohort: list[RequestState], updates: list[Update]) -> None:
         """Prefill the cohort as its own batch, then merge it into the running rows."""
@@ -339,8 +346,7 @@ class Group:
 
         if self.seqs is None:
             self.seqs, self.cache, self.session, self.processors = seqs, cache, session, processors
-            self.prompt_lengths, self.budget = prompt_lengths, budget
-            self.generated = torch.ones_like(prompt_lengths)
+            self.prompt_lengths, self.budget, self.remaining = prompt_lengths, budget, budget - 1
             self.verify_forward = getattr(session, "verify_forward", None) or target.forward
         else:
             self.seqs.extend(seqs)
@@ -349,9 +355,9 @@ class Group:
             self.processors = GenerationProcessors.merged(self.processors, processors)
             self.prompt_lengths = torch.cat([self.prompt_lengths, prompt_lengths])
             self.budget = torch.cat([self.budget, budget])
-            self.generated = torch.cat([self.generated, torch.ones_like(prompt_lengths)])
+            self.remaining = torch.cat([self.remaining, budget - 1])
         self.states.extend(cohort)
-        self.empty = None
+        self.empty = self._ones = None
         for state in cohort:
             state.stats.new_tokens = 1
         if engine.stream:
@@ -372,7 +378,7 @@ class Group:
         drafting = engine.speculates and k > 0
         started = tick = time.perf_counter()
         if drafting:
-            proposal = session.propose(seqs, k).clamp(self.budget - self.generated - 1)
+            proposal = session.propose(seqs, k).clamp(self.remaining - 1)
             forward = self.verify_forward
         else:
             if self.empty is None:
@@ -388,17 +394,21 @@ class Group:
                                                                proposal.parents, budgets=self.budget))
         verified = _verify(forward, cache, seqs, proposal, sampling, self.generator, process, layers)
         num_accepted, next_token, accepted, keep, hidden = verified[:5]
-        # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
         if proposal.k:
+            # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
             cache.truncate(cache.lengths - proposal.lengths + num_accepted, keep)
             cache.compact()
-        new_tokens = torch.cat([accepted, next_token[:, None]], dim=1)
-        new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-        counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, engine.eos)
-        counts = torch.minimum(counts, self.budget - self.generated)
+            new_tokens = torch.cat([accepted, next_token[:, None]], dim=1)
+            new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+            counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, engine.eos)
+            counts = torch.minimum(counts, self.remaining)
+        else:  # plain decoding: one token per row, and every live row has room for it
+            new_tokens = next_token[:, None]
+            hit_eos = torch.isin(next_token, engine.eos)
+            counts = self.ones()
         seqs.append(new_tokens, counts)
-        self.generated = self.generated + counts
-        done = hit_eos | (self.generated >= self.budget)
+        self.remaining = self.remaining - counts
+        done = hit_eos | (self.remaining <= 0)
         stats.target_forwards += 1
         stats.verify_time += time.perf_counter() - tick
 
@@ -419,16 +429,21 @@ class Group:
         if engine.config.draft_schedule == "heuristic" and drafting:
             full = bool((num_accepted == proposal.lengths).all())
             self.k = min(self.k + 2, engine.config.k_limit) if full else max(1, self.k - 1)
+        proposed = accepted = None
+        if engine.stream or engine.policy.wants_counts:
+            proposed = (proposal.depths().max(1).values if proposal.is_tree and proposal.k
+                        else proposal.lengths).tolist()
+            accepted = num_accepted.tolist()
         if engine.stream:
-            self._report(proposal, num_accepted, new_tokens, counts, verified[5], keep, updates)
+            self._report(proposed, accepted, new_tokens, counts, verified[5], keep, updates)
         timing = {"draft": drafted + time.perf_counter() - tick, "step": time.perf_counter() - started}
-        engine.policy.observe(engine, self, proposal, num_accepted, timing)
+        engine.policy.observe(engine, self, proposal.k, proposed, accepted, timing)
         self._leave_done(done, updates)
 
-    def _report(self, proposal, num_accepted, new_tokens, counts, logits, keep, updates) -> None:
-        """Each row's tokens of this step, its speculation counters, its log-probabilities when asked."""
-        proposed = (proposal.depths().max(1).values if proposal.is_tree and proposal.k else proposal.lengths).tolist()
-        accepted, counts_, tokens = num_accepted.tolist(), counts.tolist(), new_tokens.tolist()
+    def _report(self, proposed, accepted, new_tokens, counts, logits, keep, updates) -> None:
+        """Each row's tokens of this step, its speculation counters, its log-probabilities when asked.
+        proposed, accepted: each row's drafts verified (trees: the deepest) and accepted."""
+        counts_, tokens = counts.tolist(), new_tokens.tolist()
         self.engine.record(proposed, accepted)
         logprobs = None
         if any(s.request.logprobs for s in self.states):
@@ -490,7 +505,7 @@ class Group:
             with engine._lock:
                 engine._finish(state, reason or reasons[state.request_id], updates, [] if engine.stream else tokens)
         self.states = [self.states[i] for i in keep_rows]
-        self.empty = None
+        self.empty = self._ones = None
         if not keep_rows:
             self._record_cache()
             return
@@ -498,8 +513,8 @@ class Group:
         self.seqs.select_rows(index)
         self.cache.select_rows(index)
         self.session.select_rows(index)
-        self.prompt_lengths, self.budget, self.generated = (self.prompt_lengths[index], self.budget[index],
-                                                            self.generated[index])
+        self.prompt_lengths, self.budget, self.remaining = (self.prompt_lengths[index], self.budget[index],
+                                                            self.remaining[index])
 
     def _record_cache(self) -> None:
         stats = self.engine.stats

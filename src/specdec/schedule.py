@@ -28,6 +28,7 @@ class FixedK:
     """The engine's k (or its heuristic schedule) at every step."""
 
     name = "fixed"
+    wants_counts = False  # observe gets each row's drafts and accepted drafts (a host sync per step)
 
     def prepare(self, engine) -> None:
         pass
@@ -35,8 +36,9 @@ class FixedK:
     def draft_tokens(self, engine, group) -> int:
         return engine.config.num_draft_tokens
 
-    def observe(self, engine, group, proposal, num_accepted, timing: dict) -> None:
-        pass
+    def observe(self, engine, group, width: int, proposed: list[int] | None, accepted: list[int] | None,
+                timing: dict) -> None:
+        """After a step of ``width`` drafts per row; timing: seconds of drafting and of the whole step."""
 
     def describe(self) -> str:
         return self.name
@@ -75,6 +77,7 @@ class LoadAware(FixedK):
     """
 
     name = "load-aware"
+    wants_counts = True
 
     def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
                  context: int = 64, repeats: int = 3):
@@ -85,7 +88,7 @@ class LoadAware(FixedK):
         self.accepted: list[float] = []    # decayed counts per position: accepted
         self.evaluated: list[float] = []   # ... and evaluated (reached: every earlier draft accepted)
         self.draft_cost: dict[int, float] = {}  # batch size -> seconds per draft token
-        self.overhead: dict[int, float] = {}    # batch size -> seconds per step beyond the passes
+        self.overhead = {False: {}, True: {}}   # plain / speculative step: batch size -> seconds beyond the passes
         self.enabled = True
         self.last_choice = 0
 
@@ -133,7 +136,7 @@ class LoadAware(FixedK):
             survival *= self.acceptance(position)
             tokens += survival
         cost = (self.verify_seconds(rows, k + 1) + k * self.nearest(self.draft_cost, rows)
-                + self.nearest(self.overhead, rows))
+                + self.nearest(self.overhead[k > 0], rows))
         return rows * tokens / cost
 
     def draft_tokens(self, engine, group) -> int:
@@ -148,27 +151,26 @@ class LoadAware(FixedK):
         self.last_choice = k
         return k
 
-    def observe(self, engine, group, proposal, num_accepted, timing: dict) -> None:
+    def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         if not self.enabled:
             return
-        rows, k = proposal.lengths.shape[0], proposal.k
-        if k:
-            lengths, accepted = proposal.lengths, num_accepted
-            positions = torch.arange(k, device=lengths.device)
-            reached = ((accepted[:, None] >= positions) & (lengths[:, None] > positions)).sum(0).tolist()
-            took = (accepted[:, None] > positions).sum(0).tolist()
-            while len(self.evaluated) < k:
+        rows = len(proposed)
+        if width:
+            while len(self.evaluated) < width:
                 self.evaluated.append(0.0)
                 self.accepted.append(0.0)
+            evaluated, taken = [0] * width, [0] * width
+            for p, a in zip(proposed, accepted):
+                for j in range(min(p, a + 1)):  # drafts 0..a were looked at (a accepted, then a rejection)
+                    evaluated[j] += 1
+                    taken[j] += j < a
             for j in range(len(self.evaluated)):
-                self.evaluated[j] *= self.decay
-                self.accepted[j] *= self.decay
-            for j in range(k):
-                self.evaluated[j] += reached[j]
-                self.accepted[j] += took[j]
-            self.draft_cost[rows] = blend(self.draft_cost.get(rows), timing["draft"] / k, self.decay)
-        extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, k + 1))
-        self.overhead[rows] = blend(self.overhead.get(rows), extra, self.decay)
+                self.evaluated[j] = self.decay * self.evaluated[j] + (evaluated[j] if j < width else 0)
+                self.accepted[j] = self.decay * self.accepted[j] + (taken[j] if j < width else 0)
+            self.draft_cost[rows] = blend(self.draft_cost.get(rows), timing["draft"] / width, self.decay)
+        extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, width + 1))
+        overhead = self.overhead[bool(width)]  # a speculative step's bookkeeping (rollback, ...) costs more
+        overhead[rows] = blend(overhead.get(rows), extra, self.decay)
 
     def describe(self) -> str:
         return f"load-aware (k <= {getattr(self, 'k_max', self.max_draft_tokens)})"

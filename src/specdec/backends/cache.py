@@ -53,7 +53,7 @@ class RaggedCache:
                 positions: torch.Tensor | None = None):
         """Append a block of columns and run the model on it.
 
-        tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless).
+        tokens, valid: [B, n]; invalid entries are holes (their outputs are meaningless); valid None: none.
         logits_to_keep: the last m columns (int; 0 = all), or a LongTensor [B, m] of block columns.
         block_mask: [B, n, m] bool (m >= n): which of the last m columns (the m - n columns before
         the block, then the block) each new token sees; earlier live columns are always seen.
@@ -61,21 +61,40 @@ class RaggedCache:
         positions: [B, n] explicit positions of the new tokens (None: live tokens counted in order).
         Returns logits [B, logits_to_keep, V] for the last columns and hidden [B, n, L, H] or None.
         """
-        past, positions = self.append(valid, positions)
+        dense = valid is None
+        if dense:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        past, positions = self.append(valid, positions, dense)
         return self._run(tokens, positions, past, logits_to_keep, hidden_layers, block_mask)
 
-    def append(self, valid: torch.Tensor, positions: torch.Tensor | None = None):
+    def append(self, valid: torch.Tensor, positions: torch.Tensor | None = None, dense: bool = False):
         """The bookkeeping of a new block of columns (valid [B, n]); returns (its first column,
-        positions [B, n])."""
+        positions [B, n]). dense: every entry of ``valid`` is True (the caller knows; fewer operations)."""
+        past = self.columns
+        if dense and positions is None:
+            n = valid.shape[1]
+            positions = self.lengths[:, None] + self._offsets(n)
+            if self.max_position < 2**62 - 1:
+                positions = positions.clamp(0, self.max_position)
+            self.valid = torch.cat([self.valid, valid], dim=1)
+            self.positions = torch.cat([self.positions, positions], dim=1)
+            self.lengths = self.lengths + n
+            return past, positions
         rank = valid.cumsum(1)  # [B, n] live tokens up to and including each column
         if positions is None:
             positions = self.lengths[:, None] + rank - 1
         positions = positions.clamp(0, self.max_position)
-        past = self.columns
         self.valid = torch.cat([self.valid, valid], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
         self.lengths = self.lengths + rank[:, -1]
         return past, positions
+
+    def _offsets(self, n: int) -> torch.Tensor:
+        """arange(n) on the cache's device, kept for the block widths that recur every step."""
+        offsets = getattr(self, "_offset_cache", None)
+        if offsets is None or offsets.shape[0] < n:
+            offsets = self._offset_cache = torch.arange(max(n, 64), device=self.lengths.device)
+        return offsets[:n]
 
     def visible(self, positions: torch.Tensor, past: int, block_mask: torch.Tensor | None,
                 window: Window = FULL) -> torch.Tensor:

@@ -128,7 +128,7 @@ class NativeCache(RaggedCache):
         batch = tokens.shape[0]
         if self.columns + 1 > self.capacity:
             self._grow(self.columns, self.columns + 1)
-        past, positions = self.append(self.valid.new_ones(batch, 1))
+        past, positions = self.append(self.valid.new_ones(batch, 1), dense=True)
         flat = positions.reshape(-1).contiguous()
         model = self.model
         work = self._scratch(batch, 1)

@@ -85,9 +85,7 @@ class Target:
         ``block_mask`` [B, n, n] says which tokens of the block each token sees (None: causal),
         ``positions`` [B, n] overrides the positions (None: live tokens counted in order).
         """
-        if valid is None:
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-        return cache.forward(tokens, valid, logits_to_keep, hidden_layers, block_mask, positions)
+        return cache.forward(tokens, valid, logits_to_keep, hidden_layers, block_mask, positions)  # None: all valid
 
     def input_embeddings(self) -> torch.Tensor:
         """The embedding matrix [V, H] (drafters that reuse the target's embedding)."""

@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from specdec.commands.clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
-                       check_output_path, make_drafter, write_atomic)
+                       add_tree_arguments, check_output_path, make_drafter, tree_config, write_atomic)
 from specdec.errors import InvalidArgumentError, SpecdecError, SpecdecWarning
 
 
@@ -33,15 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=None,
                      help="DFlash: tokens per verified block, the pending one included (default: the drafter's)")
     add_generation_arguments(gen)
-    tree = gen.add_argument_group("token trees (instead of chains)")
-    tree.add_argument("--tree-depth", "--speculative-num-steps", dest="tree_depth", type=int,
-                      help="drafts on the longest root-to-leaf path (SGLang: --speculative-num-steps)")
-    tree.add_argument("--tree-topk", "--speculative-eagle-topk", dest="tree_topk", type=int,
-                      help="children per expanded node / prompt-lookup matches (SGLang: --speculative-eagle-topk)")
-    tree.add_argument("--tree-nodes", dest="tree_nodes", type=int, help="draft nodes verified per step")
-    tree.add_argument("--speculative-num-draft-tokens", dest="sglang_draft_tokens", type=int,
-                      help="SGLang's count of verified tokens, the pending token included: "
-                           "tree nodes (or chain k) = this - 1")
+    add_tree_arguments(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", metavar="FILE.jsonl", help="one prompt per line")
@@ -53,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(commands)
     from specdec.commands.demo import add_demo_command
     add_demo_command(commands)
+    from specdec.commands.serve import add_bench_serve_command, add_serve_command
+    add_serve_command(commands)
+    add_bench_serve_command(commands)
     try:
         from specdec.commands.train import add_commands as add_train_commands
     except ImportError:
@@ -60,23 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     if add_train_commands is not None:
         add_train_commands(commands)
     return parser
-
-
-def tree_config(args):
-    """The TreeConfig the tree flags ask for (SGLang's names included), or None for chains."""
-    from specdec.drafters.base import TreeConfig
-
-    nodes = args.tree_nodes
-    if nodes is None and args.sglang_draft_tokens is not None:
-        nodes = args.sglang_draft_tokens - 1  # SGLang counts the pending token (the root)
-    if args.tree_depth is None and args.tree_topk is None and args.tree_nodes is None:
-        if args.sglang_draft_tokens is not None and args.sglang_draft_tokens < 2:
-            raise InvalidArgumentError("--speculative-num-draft-tokens counts the pending token: it must be >= 2")
-        return None
-    defaults = TreeConfig()
-    depth = args.tree_depth if args.tree_depth is not None else defaults.depth
-    topk = args.tree_topk if args.tree_topk is not None else defaults.topk
-    return TreeConfig(depth=depth, topk=topk, num_nodes=nodes if nodes is not None else max(depth, defaults.num_nodes))
 
 
 def run_generate(args) -> int:

@@ -69,6 +69,36 @@ def tree_paths(text: str) -> list[list[int]]:
     return paths
 
 
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """Token-tree flags (SGLang's names too), read back by ``tree_config``."""
+    tree = parser.add_argument_group("token trees (instead of chains)")
+    tree.add_argument("--tree-depth", "--speculative-num-steps", dest="tree_depth", type=int,
+                      help="drafts on the longest root-to-leaf path (SGLang: --speculative-num-steps)")
+    tree.add_argument("--tree-topk", "--speculative-eagle-topk", dest="tree_topk", type=int,
+                      help="children per expanded node / prompt-lookup matches (SGLang: --speculative-eagle-topk)")
+    tree.add_argument("--tree-nodes", dest="tree_nodes", type=int, help="draft nodes verified per step")
+    tree.add_argument("--speculative-num-draft-tokens", dest="sglang_draft_tokens", type=int,
+                      help="SGLang's count of verified tokens, the pending token included: "
+                           "tree nodes (or chain k) = this - 1")
+
+
+def tree_config(args):
+    """The TreeConfig the tree flags ask for (SGLang's names included), or None for chains."""
+    from specdec.drafters.base import TreeConfig
+
+    nodes = args.tree_nodes
+    if nodes is None and args.sglang_draft_tokens is not None:
+        nodes = args.sglang_draft_tokens - 1  # SGLang counts the pending token (the root)
+    if args.tree_depth is None and args.tree_topk is None and args.tree_nodes is None:
+        if args.sglang_draft_tokens is not None and args.sglang_draft_tokens < 2:
+            raise InvalidArgumentError("--speculative-num-draft-tokens counts the pending token: it must be >= 2")
+        return None
+    defaults = TreeConfig()
+    depth = args.tree_depth if args.tree_depth is not None else defaults.depth
+    topk = args.tree_topk if args.tree_topk is not None else defaults.topk
+    return TreeConfig(depth=depth, topk=topk, num_nodes=nodes if nodes is not None else max(depth, defaults.num_nodes))
+
+
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

@@ -112,9 +112,8 @@ class DraftModelSession:
         token, probs = self._next(logits[:, -1])
         drafts.append(token)
         dists.append(probs)
-        everyone = torch.ones(seqs.batch_size, 1, dtype=torch.bool, device=tokens.device)
         for _ in range(k - 1):
-            logits, _ = self.cache.forward(token[:, None], everyone, logits_to_keep=1)
+            logits, _ = self.cache.forward(token[:, None], None, logits_to_keep=1)  # None: every row live
             token, probs = self._next(logits[:, -1])
             drafts.append(token)
             dists.append(probs)

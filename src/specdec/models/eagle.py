@@ -415,7 +415,7 @@ class FeatureCache(NativeCache):
         batch = tokens.shape[0]
         if self.columns + 1 > self.capacity:
             self._grow(self.columns, self.columns + 1)
-        past, positions = self.append(self.valid.new_ones(batch, 1))
+        past, positions = self.append(self.valid.new_ones(batch, 1), dense=True)
         positions = positions.reshape(-1).contiguous()  # [B], alive while the kernels run
         hidden, attn_in = self.runtime.inputs(tokens[:, None], features[:, None], fused=False)
         work = self._scratch(batch, 1)

@@ -1,0 +1,244 @@
+"""`specdec bench-serve`: waves of concurrent streaming clients against an OpenAI-compatible server.
+
+Each client is a thread sending its requests in turn (greedy, streamed, prompts taken in order from
+a task set); a wave runs ``concurrency`` clients. Per wave:
+
+* per-user tokens/s: the mean over requests of completion tokens / end-to-end seconds (from sending
+  the request to its last token), what one user sees;
+* throughput: every completion token of the wave / the wave's wall time;
+* TTFT: sending to the first streamed text; ITL: gaps between streamed chunks (a speculative step may
+  bring several tokens in one chunk, as vLLM's benchmark counts them); TPOT: per request,
+  (last - first token) / (tokens - 1);
+* mean acceptance length: 1 + accepted / drafts from the server's /metrics counters over the wave
+  (tokens per verification step, vLLM's definition).
+
+In-process, every mode gets a fresh engine and server on the same target; its start-up time (engine,
+profiling included, and HTTP server) is reported beside the waves.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+
+
+@dataclass
+class Result:
+    """One streamed request, as the client saw it."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival of every chunk with text
+    tokens: int = 0
+    error: str | None = None
+    end: float = 0.0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.sent if self.chunks else None
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0) -> Result:
+    """Send one greedy streaming completion and time its chunks."""
+    parts = urllib.parse.urlsplit(url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    result = Result(time.perf_counter())
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        connection.request("POST", parts.path.rstrip("/") + "/v1/completions", body,
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
+            return result
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.error = chunk["error"].get("message", "error")
+                break
+            if chunk.get("usage"):
+                result.tokens = chunk["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in chunk.get("choices", ())):
+                result.chunks.append(time.perf_counter())
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.end = time.perf_counter()
+        connection.close()
+    return result
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's spec-decode counters (summed over labels); empty when it has no /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30).read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SPEC_COUNTERS:
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def run_wave(url: str, model: str, prompts: list[str], concurrency: int, requests_per_client: int,
+             max_tokens: int) -> dict:
+    """``concurrency`` clients, each sending ``requests_per_client`` requests in turn; the wave's figures."""
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        for j in range(requests_per_client):
+            prompt = prompts[(index * requests_per_client + j) % len(prompts)]
+            result = stream_completion(url, model, prompt, max_tokens)
+            with lock:
+                results.append(result)
+
+    before = scrape(url)
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    after = scrape(url)
+    return summarize(results, wall, concurrency, before, after)
+
+
+def _stats(values: list[float], *quantiles: int) -> list[float | None]:
+    if not values:
+        return [None] * (1 + len(quantiles))
+    return [float(np.mean(values))] + [float(np.percentile(values, q)) for q in quantiles]
+
+
+def summarize(results: list[Result], wall: float, concurrency: int, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.tokens for r in ok)
+    ttft_mean, ttft_p50, ttft_p90 = _stats([r.ttft for r in ok if r.ttft is not None], 50, 90)
+    itl_mean, itl_p90 = _stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])], 90)
+    (tpot,) = _stats([(r.chunks[-1] - r.chunks[0]) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.chunks])
+    (per_user,) = _stats([r.tokens / (r.end - r.sent) for r in ok if r.end > r.sent])
+    drafts = after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
+    accepted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+            "error_examples": sorted({r.error for r in results if r.error})[:3],
+            "completion_tokens": tokens, "wall_seconds": wall,
+            "throughput": tokens / wall if wall else 0.0, "per_user_tokens_per_second": per_user,
+            "ttft_mean": ttft_mean, "ttft_p50": ttft_p50, "ttft_p90": ttft_p90,
+            "itl_mean": itl_mean, "itl_p90": itl_p90, "tpot_mean": tpot,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def run_mode(url: str, prompts: list[str], args) -> list[dict]:
+    """A warm-up request, then one wave per concurrency."""
+    model = served_model(url)
+    stream_completion(url, model, prompts[0], min(args.max_tokens, 8))
+    return [run_wave(url, model, prompts, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
+
+
+def run_bench_serve(args, prompts: list[str]) -> dict:
+    """Every mode (or the server at ``args.url``), every concurrency: the result as JSON-ready dict."""
+    result = {"max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
+              "concurrency": list(args.concurrency), "modes": {}}
+    if args.url is not None:
+        result["url"] = args.url
+        result["modes"]["server"] = {"waves": run_mode(args.url, prompts, args)}
+        return result
+
+    from specdec.backends.target import load_target
+    from specdec.commands.serve import build_engine
+    from specdec.serve import BackgroundServer, create_app
+
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
+    result.update(target=args.target, drafter=args.drafter, k=args.k)
+    for mode in args.modes:
+        started = time.perf_counter()
+        drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
+        engine, _ = build_engine(target, drafter, args, policy)
+        with BackgroundServer(create_app(engine, target)) as server:
+            startup = time.perf_counter() - started
+            waves = run_mode(server.url, prompts, args)
+        result["modes"][mode] = {"startup_seconds": startup, "profile_seconds": engine.profile_seconds,
+                                 "waves": waves}
+    return result
+
+
+def format_table(result: dict) -> str:
+    def cell(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    header = (f"{'mode':<11} {'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>8} {'user tok/s':>10} {'TTFT ms':>8} "
+              f"{'p50':>7} {'p90':>7} {'ITL ms':>7} {'p90':>7} {'TPOT ms':>7} {'accept':>6}")
+    lines = [header, "-" * len(header)]
+    for mode, entry in result["modes"].items():
+        for w in entry["waves"]:
+            ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
+            lines.append(f"{mode:<11} {w['concurrency']:>4} {w['requests']:>4} {w['errors']:>3} "
+                         f"{cell(w['throughput'], '8.1f')} {cell(w['per_user_tokens_per_second'], '10.1f')} "
+                         f"{cell(ms(w['ttft_mean']), '8.1f')} {cell(ms(w['ttft_p50']), '7.1f')} "
+                         f"{cell(ms(w['ttft_p90']), '7.1f')} {cell(ms(w['itl_mean']), '7.1f')} "
+                         f"{cell(ms(w['itl_p90']), '7.1f')} {cell(ms(w['tpot_mean']), '7.1f')} "
+                         f"{cell(w['mean_acceptance_length'], '6.2f')}")
+    startups = [f"{mode} {entry['startup_seconds']:.1f} s" + (f" (profiling {entry['profile_seconds']:.1f} s)"
+                                                               if entry.get("profile_seconds") else "")
+                for mode, entry in result["modes"].items() if "startup_seconds" in entry]
+    if startups:
+        lines.append("server start-up: " + ", ".join(startups))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path) -> None:
+    """Total throughput against concurrency (log2 axis), one line per mode; written atomically."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for mode, entry in result["modes"].items():
+        waves = entry["waves"]
+        axes.plot([w["concurrency"] for w in waves], [w["throughput"] for w in waves], marker="o", label=mode)
+    axes.set_xscale("log", base=2)
+    concurrency = sorted({w["concurrency"] for entry in result["modes"].values() for w in entry["waves"]})
+    axes.set_xticks(concurrency, [str(c) for c in concurrency])
+    axes.set_xlabel("concurrent clients")
+    axes.set_ylabel("total throughput (tokens/s)")
+    axes.set_title(f"specdec serve, max_tokens {result['max_tokens']}")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(handle)
+    try:
+        figure.savefig(temporary, dpi=120, bbox_inches="tight")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(figure)
