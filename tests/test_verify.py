@@ -68,3 +68,31 @@ def test_sampling_is_reproducible_for_a_seed():
     runs = [verify_sampling(target, drafts, torch.full((4,), 3), draft, torch.Generator().manual_seed(5))
             for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+
+
+def test_the_greedy_kernel_computes_what_pytorch_computes():
+    """One C call (argmax at the positions a row reaches, the accepted prefix) against the PyTorch rule,
+    with ties (the first maximum wins), NaN, -inf, rows of every length and drafts that match."""
+    from specdec.models import kernels
+    from specdec.verify import chain
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        batch, k, vocab = 1 + trial % 5, trial % 6, 7 + trial % 50
+        logits = torch.randint(0, 4, (batch, k + 1, vocab), generator=generator).float()  # many ties
+        if trial % 7 == 0:
+            logits[0, 0, 3] = float("nan")
+        if trial % 5 == 0:
+            logits[:, :, : vocab // 2] = float("-inf")
+        target = logits.argmax(-1)
+        drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.7, target[:, :k],
+                             torch.randint(0, vocab, (batch, k), generator=generator))
+        lengths = torch.randint(0, k + 1, (batch,), generator=generator)
+        fast = kernels.greedy_accept(logits, drafts, lengths)
+        assert fast is not None
+        original, kernels.greedy_accept = kernels.greedy_accept, lambda *a: None
+        try:
+            slow = chain.verify_greedy(logits, drafts, lengths)
+        finally:
+            kernels.greedy_accept = original
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), trial

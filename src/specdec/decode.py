@@ -97,15 +97,16 @@ def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_
 
 
 def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
-                 config: GenerationConfig) -> GenerationOutput:
-    """The one-shot path: every prompt joins the engine at once, and it steps until all finish."""
+                 config: GenerationConfig, policy=None) -> GenerationOutput:
+    """The one-shot path: every prompt joins the engine at once, and it steps until all finish.
+    policy: drafts per step (specdec.schedule; None: config's k and schedule)."""
     from specdec.engine import Engine, Request
 
     check_context(target, prompts, config)
     started = time.perf_counter()
     engine = Engine(target, drafter, num_draft_tokens=config.num_draft_tokens, tree=config.tree,
                     max_batch_size=max(1, len(prompts)), max_queue=max(1, len(prompts)), stream=False,
-                    draft_schedule=config.draft_schedule, max_draft_tokens=config.max_draft_tokens)
+                    draft_schedule=config.draft_schedule, max_draft_tokens=config.max_draft_tokens, policy=policy)
     stats = engine.stats
     stats.batch_size = len(prompts)
     if config.max_new_tokens == 0:
@@ -179,7 +180,7 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
         if process is not None:
             logits = process(logits)
         if sampling.greedy:
-            next_token = logits[:, 0].argmax(-1)
+            next_token = verify_greedy(logits, proposal.tokens, proposal.lengths)[1]
         else:
             next_token = sample(probabilities(logits[:, 0], sampling), generator)
         return proposal.lengths, next_token, proposal.tokens, None, hidden, logits
@@ -228,8 +229,11 @@ def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tens
     if new_tokens.shape[1] == 1:  # one token per row (plain decoding)
         hit_eos = torch.isin(new_tokens[:, 0], eos)
         return counts, hit_eos
+    is_eos = torch.isin(new_tokens, eos)
+    if not bool(is_eos.any()):  # the usual step: no stop token anywhere in the block
+        return counts, torch.zeros_like(counts, dtype=torch.bool)
     slots = torch.arange(new_tokens.shape[1], device=new_tokens.device)
-    is_eos = torch.isin(new_tokens, eos) & (slots[None, :] < counts[:, None])
+    is_eos = is_eos & (slots[None, :] < counts[:, None])
     first = torch.where(is_eos, slots[None, :], new_tokens.shape[1]).min(1).values
     return torch.minimum(counts, first + 1), first < new_tokens.shape[1]
 

@@ -98,11 +98,17 @@ class Method:
 
 
 def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int,
-                   tag: str = "", tree: TreeConfig | None = None, note: str = ""):
+                   tag: str = "", tree: TreeConfig | None = None, note: str = "", load_aware: bool = False):
+    """load_aware: k drafts at most, as many per step as the load-aware policy chooses."""
     config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree)
+    policy = None
+    if load_aware:
+        from specdec.schedule import LoadAware
+
+        policy, note = LoadAware(), "load-aware"  # one per method: it profiles once and keeps learning
 
     def run(prompts):
-        out = generate_ids(engine.target, prompts, drafter, config)
+        out = generate_ids(engine.target, prompts, drafter, config, policy)
         return out.token_ids, out.stats
     return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note)
 
@@ -176,7 +182,7 @@ def transformers_model(model: Target | DraftModel):
 
 def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
                   max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = (),
-                  block_sizes: tuple = ()):
+                  block_sizes: tuple = (), load_aware: bool = False):
     """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None),
     and transformers' DFlash on the same weights when a DFlash drafter is measured."""
     methods = []
@@ -196,6 +202,12 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                     methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size,
                                                   tag))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
+            if load_aware:  # up to the largest k, as many drafts per step as the policy chooses
+                if engine.draft is not None:
+                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, max(ks), max_new_tokens,
+                                                  batch_size, tag, load_aware=True))
+                methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, max(ks), max_new_tokens, batch_size,
+                                              tag, load_aware=True))
             for tree in trees:
                 if engine.draft is not None:
                     methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens,
@@ -309,14 +321,16 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               max_new_tokens: int = 64, batch_sizes=(1,), repeats: int = 1, max_ngram: int = 3,
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
-              trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = ()) -> dict:
+              trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = (),
+              load_aware: bool = False) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
     transformers' methods run on ``transformers_models`` = (model, draft model or None), by default
     the target's and draft's own transformers models. ``drafters``: (registry name, drafter) pairs of
     trained drafters measured beside them on the target's engine. ``block_sizes``: DFlash blocks to
-    measure (default: each DFlash drafter's own).
+    measure (default: each DFlash drafter's own). ``load_aware``: the draft model and prompt lookup also
+    with the load-aware policy, up to the largest k.
     """
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
@@ -331,7 +345,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     if any(b < 2 for b in block_sizes):
         raise InvalidArgumentError("every DFlash block size must be >= 2 (the pending token and a draft)")
     methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
-                            tuple(trees), tuple(block_sizes))
+                            tuple(trees), tuple(block_sizes), load_aware)
     for method in methods:  # warm-up, untimed
         method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
                    prompts[: method.batch_size])
@@ -583,6 +597,9 @@ def add_bench_command(commands) -> None:
                        help="mtp: module depths to measure (default: all the model has)")
     bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
                        help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
+    bench.add_argument("--load-aware", action="store_true",
+                       help="also the draft model and prompt lookup with the load-aware policy (up to the largest k; "
+                            "it profiles the target and chooses the drafts per step)")
     bench.add_argument("--cost-curve", action="store_true",
                        help="also print T(n)/T(1), the target's forward time for n new tokens, n = 1..64")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -640,7 +657,7 @@ def run_bench_command(args) -> int:
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
                        more_engines=tuple(engines[1:] + variants), trees=tuple(trees), drafters=first.drafters,
-                       block_sizes=tuple(args.block_sizes))
+                       block_sizes=tuple(args.block_sizes), load_aware=args.load_aware)
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:

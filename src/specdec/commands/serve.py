@@ -188,7 +188,10 @@ def add_bench_serve_command(commands) -> None:
     bench = commands.add_parser("bench-serve", help="concurrent streaming clients against `specdec serve`: "
                                                     "throughput, TTFT, ITL per mode and concurrency")
     add_engine_arguments(bench, default_drafter="draft-model")
-    bench.add_argument("--url", default=None, help="a running server (default: start one per mode in-process)")
+    bench.add_argument("--url", default=None, help="a running server (default: start one per mode)")
+    bench.add_argument("--in-process", action="store_true",
+                       help="run each mode's server in this process (default: a process of its own, so the "
+                            "clients and the server do not share a core or Python's lock)")
     bench.add_argument("--modes", nargs="+", choices=BENCH_MODES, default=list(BENCH_MODES),
                        help="plain (no drafter), fixed (the drafter, fixed k), load-aware (the drafter, "
                             "load-aware policy); each on a fresh engine")

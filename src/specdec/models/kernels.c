@@ -647,3 +647,37 @@ int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, co
 int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const void* x_in, void* x_out) {
     return sd_decoder_layer_from(w, b, x_in, w->hidden, w->eps, x_in, x_out);
 }
+
+/* ---- greedy verification: argmax positions and the accepted prefix, in one call ------------- */
+/* The index of the largest of n floats: the first one on ties, the first NaN if there is one (as
+ * torch.argmax). Comparisons only, so no order of operations to fix. */
+static long argmax_row(const float* x, long n) {
+    long best = 0;
+    float top = x[0];
+    if (isnan(top)) return 0;
+    for (long j = 1; j < n; j++) {
+        float v = x[j];
+        if (isnan(v)) return j;
+        if (v > top) { top = v; best = j; }
+    }
+    return best;
+}
+
+/* logits [B, W, V] float32 (row b at b * ld_b, position j at j * ld_w); drafts [B, W - 1] int64 (row
+ * stride ld_d); lengths [B]: a row accepts drafts while they equal the argmax at their position,
+ * up to its length; accepted[b] counts them and next[b] is the argmax after the last accepted one.
+ * Only the positions a row reaches are scanned. */
+void sd_greedy_accept(const float* logits, long B, long W, long V, long ld_b, long ld_w, const int64_t* drafts,
+                      long ld_d, const int64_t* lengths, int64_t* accepted, int64_t* next) {
+    for (long b = 0; b < B; b++) {
+        const float* row = logits + b * ld_b;
+        long limit = lengths[b] < W - 1 ? lengths[b] : W - 1, a = 0;
+        long token = argmax_row(row, V);
+        while (a < limit && token == drafts[b * ld_d + a]) {
+            a++;
+            token = argmax_row(row + a * ld_w, V);
+        }
+        accepted[b] = a;
+        next[b] = token;
+    }
+}

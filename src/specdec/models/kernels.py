@@ -125,6 +125,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_set_threads": [n],
         "sd_set_parallel_threshold": [i],
         "sd_set_spin": [i],
+        "sd_greedy_accept": [p, i, i, i, i, i, p, i, p, p, p],
     }
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
@@ -283,3 +284,19 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible
                                   keys.stride(1), batch, n, heads, kv, dim, columns, _ptr(visible), scale,
                                   out.data_ptr(), out.stride(1), DTYPES[q.dtype]))
     return out
+
+
+def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
+    """Greedy verification in one call: logits [B, k+1, V] float32, drafts [B, k] and lengths [B] long ->
+    (accepted [B], next token [B]), as verify.chain.verify_greedy computes them; None when the
+    tensors are not laid out for the kernel (the caller then uses PyTorch)."""
+    if (logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(-1) != 1
+            or drafts.dtype != torch.int64 or lengths.dtype != torch.int64 or available() is not None):
+        return None
+    batch, width, vocab = logits.shape
+    drafts, lengths = drafts.contiguous(), lengths.contiguous()
+    accepted, following = torch.empty(batch, dtype=torch.int64), torch.empty(batch, dtype=torch.int64)
+    library().sd_greedy_accept(logits.data_ptr(), batch, width, vocab, logits.stride(0), logits.stride(1),
+                               drafts.data_ptr(), drafts.stride(0) if drafts.dim() == 2 else 0, lengths.data_ptr(),
+                               accepted.data_ptr(), following.data_ptr())
+    return accepted, following

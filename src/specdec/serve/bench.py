@@ -12,8 +12,10 @@ a task set); a wave runs ``concurrency`` clients. Per wave:
 * mean acceptance length: 1 + accepted / drafts from the server's /metrics counters over the wave
   (tokens per verification step, vLLM's definition).
 
-In-process, every mode gets a fresh engine and server on the same target; its start-up time (engine,
-profiling included, and HTTP server) is reported beside the waves.
+Every mode gets a fresh engine and server on the same target, in a process of its own by default (so
+the client threads and the engine share neither a core nor Python's lock), or in this process
+(``--in-process``); its start-up time (loading, the engine with its profiling, the HTTP server) is
+reported beside the waves.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from specdec.serve import BackgroundServer, create_app
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
@@ -167,22 +171,88 @@ def run_bench_serve(args, prompts: list[str]) -> dict:
         result["modes"]["server"] = {"waves": run_mode(args.url, prompts, args)}
         return result
 
-    from specdec.backends.target import load_target
-    from specdec.commands.serve import build_engine
-    from specdec.serve import BackgroundServer, create_app
-
-    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    result.update(target=args.target, drafter=args.drafter, k=args.k)
+    result.update(target=args.target, drafter=args.drafter, k=args.k,
+                  server="in-process" if args.in_process else "own process")
+    target = None
     for mode in args.modes:
-        started = time.perf_counter()
         drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
-        engine, _ = build_engine(target, drafter, args, policy)
-        with BackgroundServer(create_app(engine, target)) as server:
-            startup = time.perf_counter() - started
-            waves = run_mode(server.url, prompts, args)
-        result["modes"][mode] = {"startup_seconds": startup, "profile_seconds": engine.profile_seconds,
-                                 "waves": waves}
+        if args.in_process:
+            from specdec.backends.target import load_target
+
+            target = target or load_target(args.target, dtype=args.dtype, backend=args.backend)
+            started = time.perf_counter()
+            engine = build(target, drafter, policy, args)
+            with BackgroundServer(create_app(engine, target)) as server:
+                startup = time.perf_counter() - started
+                waves = run_mode(server.url, prompts, args)
+            profile = engine.profile_seconds
+        else:
+            with ServerProcess(args, drafter, policy) as server:
+                startup, profile = server.startup_seconds, server.profile_seconds
+                waves = run_mode(server.url, prompts, args)
+        result["modes"][mode] = {"startup_seconds": startup, "profile_seconds": profile, "waves": waves}
     return result
+
+
+def build(target, drafter: str, policy: str | None, args):
+    from specdec.commands.serve import build_engine
+
+    return build_engine(target, drafter, args, policy)[0]
+
+
+def serve_child(args, drafter: str, policy: str | None, reply) -> None:
+    """A server process: load, build the engine, listen on a free port, report (url, start-up, profiling)."""
+    import torch
+
+    from specdec.backends.target import load_target
+    from specdec.serve.server import listen, url_of, uvicorn_server
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
+    engine = build(target, drafter, policy, args)
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn_server(create_app(engine, target))
+    reply.put((url_of(sock), time.perf_counter() - started, engine.profile_seconds))
+    server.run(sockets=[sock])
+
+
+class ServerProcess:
+    """A mode's server in a process of its own (its engine on one core, the clients on another), until
+    the end of a ``with`` block; ``startup_seconds`` counts loading, the engine (profiling) and binding."""
+
+    def __init__(self, args, drafter: str, policy: str | None, timeout: float = 900.0):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.reply = context.Queue()
+        self.process = context.Process(target=serve_child, args=(args, drafter, policy, self.reply), daemon=True)
+        self.timeout = timeout
+
+    def __enter__(self) -> "ServerProcess":
+        import queue
+
+        self.process.start()
+        try:
+            self.url, self.startup_seconds, self.profile_seconds = self.reply.get(timeout=self.timeout)
+        except queue.Empty:
+            self.__exit__()
+            raise RuntimeError("the server process did not start") from None
+        deadline = time.monotonic() + 60
+        while True:  # listening: wait until the app answers
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                return self
+            except OSError:
+                if time.monotonic() > deadline or not self.process.is_alive():
+                    self.__exit__()
+                    raise RuntimeError("the server process does not answer") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.join(15)
 
 
 def format_table(result: dict) -> str:

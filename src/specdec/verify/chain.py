@@ -24,6 +24,11 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     target_logits: [B, k+1, V], position j scores the token after draft j (j = 0: after the context).
     draft_tokens: [B, k] long. draft_lengths: [B] long.
     """
+    from specdec.models import kernels
+
+    fast = kernels.greedy_accept(target_logits, draft_tokens, draft_lengths)  # one C call, where it runs
+    if fast is not None:
+        return fast
     target_tokens = target_logits.argmax(-1)  # [B, k+1]
     if draft_tokens.shape[1] == 0:  # nothing drafted: a plain decoding step
         return torch.zeros_like(draft_lengths), target_tokens[:, 0]
