@@ -74,16 +74,18 @@ class LoadAware(FixedK):
     decay: weight of the past in the acceptance and cost estimates (per step; the first estimates
     are plain means, so one slow first step does not stick).
     prior: acceptance assumed at a position before any draft there was verified.
-    explore: after this many steps without drafting, one step drafts a token (the estimates of
-    drafting stay current when the load or the text changes; the choice never depends on a draft).
+    explore: after this many steps without drafting, one step drafts a token when drafting is
+    estimated within ``margin`` of plain decoding (so the estimates of a close call stay current when
+    the text changes; a clear loss is not probed, since keeping a drafter current costs too).
     """
 
     name = "load-aware"
     wants_counts = True
 
     def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
-                 context: int = 64, repeats: int = 5, explore: int = 16):
+                 context: int = 64, repeats: int = 5, explore: int = 16, margin: float = 0.2):
         self.max_draft_tokens, self.decay, self.prior, self.explore = max_draft_tokens, decay, prior, explore
+        self.margin = margin
         self.undrafted = 0  # steps since the last one that drafted
         self.context, self.repeats = context, repeats
         self.sizes: list[int] = []
@@ -151,13 +153,14 @@ class LoadAware(FixedK):
         if not self.enabled:
             return engine.config.num_draft_tokens
         rows, best, k = group.size, self.rate(group.size, 0), 0
+        plain = best
         while k < self.k_max:
             candidate = self.rate(rows, k + 1)
             if candidate <= best:
                 break  # the first draft that lowers the expected rate ends the search
             best, k = candidate, k + 1
         self.undrafted = 0 if k else self.undrafted + 1
-        if not k and self.undrafted > self.explore:
+        if not k and self.undrafted > self.explore and self.rate(rows, 1) >= (1 - self.margin) * plain:
             k, self.undrafted = 1, 0
         self.last_choice = k
         return k
