@@ -77,15 +77,19 @@ class LoadAware(FixedK):
     explore: after this many steps without drafting, one step drafts a token when drafting is
     estimated within ``margin`` of plain decoding (so the estimates of a close call stay current when
     the text changes; a clear loss is not probed, since keeping a drafter current costs too).
+    gain: a draft is added only if it raises the expected rate by this share (the estimates are
+    noisy, and a wrong draft under load costs more than a missed one at low load).
+    Costs measured online are pooled by batch size in powers of two.
     """
 
     name = "load-aware"
     wants_counts = True
 
     def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
-                 context: int = 64, repeats: int = 5, explore: int = 16, margin: float = 0.2):
+                 context: int = 64, repeats: int = 3, explore: int = 16, margin: float = 0.2,
+                 gain: float = 0.03):
         self.max_draft_tokens, self.decay, self.prior, self.explore = max_draft_tokens, decay, prior, explore
-        self.margin = margin
+        self.margin, self.gain = margin, gain
         self.undrafted = 0  # steps since the last one that drafted
         self.context, self.repeats = context, repeats
         self.sizes: list[int] = []
@@ -136,8 +140,9 @@ class LoadAware(FixedK):
 
     @staticmethod
     def nearest(values: dict[int, list], rows: int) -> float:
-        """The estimate measured at the batch size nearest ``rows`` (0 before any)."""
-        return values[min(values, key=lambda b: abs(b - rows))][0] if values else 0.0
+        """The estimate of the pool nearest ``rows`` (0 before any)."""
+        pool = bucket(rows)
+        return values[min(values, key=lambda b: abs(b.bit_length() - pool.bit_length()))][0] if values else 0.0
 
     def rate(self, rows: int, k: int) -> float:
         """Expected committed tokens per second of a step with k drafts per row."""
@@ -156,8 +161,8 @@ class LoadAware(FixedK):
         plain = best
         while k < self.k_max:
             candidate = self.rate(rows, k + 1)
-            if candidate <= best:
-                break  # the first draft that lowers the expected rate ends the search
+            if candidate <= best * (1 + self.gain):
+                break  # the first draft that does not raise the expected rate ends the search
             best, k = candidate, k + 1
         self.undrafted = 0 if k else self.undrafted + 1
         if not k and self.undrafted > self.explore and self.rate(rows, 1) >= (1 - self.margin) * plain:
@@ -181,12 +186,17 @@ class LoadAware(FixedK):
             for j in range(len(self.evaluated)):
                 self.evaluated[j] = self.decay * self.evaluated[j] + (evaluated[j] if j < width else 0)
                 self.accepted[j] = self.decay * self.accepted[j] + (taken[j] if j < width else 0)
-            blend(self.draft_cost, rows, timing["draft"] / width, self.decay)
+            blend(self.draft_cost, bucket(rows), timing["draft"] / width, self.decay)
         extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, width + 1))
-        blend(self.overhead[bool(width)], rows, extra, self.decay)  # a speculative step's bookkeeping costs more
+        blend(self.overhead[bool(width)], bucket(rows), extra, self.decay)  # a speculative step's bookkeeping costs more
 
     def describe(self) -> str:
         return f"load-aware (k <= {getattr(self, 'k_max', self.max_draft_tokens)})"
+
+
+def bucket(rows: int) -> int:
+    """The pool of a batch size: the power of two at or below it."""
+    return 1 << (rows.bit_length() - 1)
 
 
 def blend(estimates: dict[int, list], key: int, new: float, decay: float) -> None:

@@ -15,11 +15,13 @@ a task set); a wave runs ``concurrency`` clients. Per wave:
 Every mode gets a fresh engine and server on the same target, in a process of its own by default (so
 the client threads and the engine share neither a core nor Python's lock), or in this process
 (``--in-process``); its start-up time (loading, the engine with its profiling, the HTTP server) is
-reported beside the waves.
+reported beside the waves. All servers start first; then each concurrency runs every mode's wave one
+after the other, so the modes are compared minutes apart at most (timings drift on a shared machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -157,9 +159,15 @@ def summarize(results: list[Result], wall: float, concurrency: int, before: dict
 
 def run_mode(url: str, prompts: list[str], args) -> list[dict]:
     """A warm-up request, then one wave per concurrency."""
+    model = warm_up(url, prompts, args)
+    return [run_wave(url, model, prompts, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
+
+
+def warm_up(url: str, prompts: list[str], args) -> str:
+    """One short request (the first pass of every shape is slower); the served model's name."""
     model = served_model(url)
     stream_completion(url, model, prompts[0], min(args.max_tokens, 8))
-    return [run_wave(url, model, prompts, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
+    return model
 
 
 def run_bench_serve(args, prompts: list[str]) -> dict:
@@ -173,25 +181,34 @@ def run_bench_serve(args, prompts: list[str]) -> dict:
 
     result.update(target=args.target, drafter=args.drafter, k=args.k,
                   server="in-process" if args.in_process else "own process")
-    target = None
-    for mode in args.modes:
-        drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
-        if args.in_process:
-            from specdec.backends.target import load_target
-
-            target = target or load_target(args.target, dtype=args.dtype, backend=args.backend)
-            started = time.perf_counter()
-            engine = build(target, drafter, policy, args)
-            with BackgroundServer(create_app(engine, target)) as server:
-                startup = time.perf_counter() - started
-                waves = run_mode(server.url, prompts, args)
-            profile = engine.profile_seconds
-        else:
-            with ServerProcess(args, drafter, policy) as server:
-                startup, profile = server.startup_seconds, server.profile_seconds
-                waves = run_mode(server.url, prompts, args)
-        result["modes"][mode] = {"startup_seconds": startup, "profile_seconds": profile, "waves": waves}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for mode in args.modes:  # every server first, then the waves of every mode side by side
+            drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
+            servers[mode] = stack.enter_context(in_process(args, drafter, policy) if args.in_process
+                                                else ServerProcess(args, drafter, policy))
+            result["modes"][mode] = {"startup_seconds": servers[mode].startup_seconds,
+                                     "profile_seconds": servers[mode].profile_seconds, "waves": []}
+        models = {mode: warm_up(server.url, prompts, args) for mode, server in servers.items()}
+        for concurrency in args.concurrency:  # each concurrency: the modes one after the other
+            for mode, server in servers.items():
+                wave = run_wave(server.url, models[mode], prompts, concurrency, args.requests_per_client,
+                                args.max_tokens)
+                result["modes"][mode]["waves"].append(wave)
     return result
+
+
+@contextlib.contextmanager
+def in_process(args, drafter: str, policy: str | None):
+    """A mode's server on a thread of this process, as ``ServerProcess`` describes it."""
+    from specdec.backends.target import load_target
+
+    started = time.perf_counter()
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
+    engine = build(target, drafter, policy, args)
+    with BackgroundServer(create_app(engine, target)) as server:
+        server.startup_seconds, server.profile_seconds = time.perf_counter() - started, engine.profile_seconds
+        yield server
 
 
 def build(target, drafter: str, policy: str | None, args):
