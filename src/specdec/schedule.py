@@ -132,7 +132,7 @@ class LoadAware(FixedK):
         return (1 - share) * self.table[low, width] + share * self.table[high, width]
 
     def acceptance(self, position: int) -> float:
-        """P(draft ``position`` (0-based) is accepted | every earlier one was)."""
+        """P(slot ``position`` (0-based) of a verified block yields an accepted draft | every earlier one did)."""
         if position < len(self.evaluated) and self.evaluated[position] > 0:
             weight = 2.0  # the prior counts as two observations
             return (self.accepted[position] + weight * self.prior) / (self.evaluated[position] + weight)
@@ -179,8 +179,11 @@ class LoadAware(FixedK):
                 self.evaluated.append(0.0)
                 self.accepted.append(0.0)
             evaluated, taken = [0] * width, [0] * width
-            for p, a in zip(proposed, accepted):
-                for j in range(min(p, a + 1)):  # drafts 0..a were looked at (a accepted, then a rejection)
+            for a in accepted:
+                # Slots 0..a were reached (a accepted, then a rejection or no draft at all: a row that
+                # proposes fewer drafts, as prompt lookup without a match, gains nothing from the
+                # verified width it does not fill).
+                for j in range(min(a + 1, width)):
                     evaluated[j] += 1
                     taken[j] += j < a
             for j in range(len(self.evaluated)):
