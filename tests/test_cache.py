@@ -81,3 +81,23 @@ def test_logits_for_chosen_positions_on_both_backends(targets, hf_models):
     assert torch.allclose(picked, everything[torch.arange(2)[:, None], chosen], atol=1e-5)
     reference = hf_models["llama"](tokens).logits
     assert torch.allclose(picked[1, 0], reference[1, 4], atol=1e-4)
+
+
+def test_extended_caches_compute_what_each_row_computes_alone(targets):
+    """Rows joining a batch (caches of other widths and capacities, appended with ``extend``) keep their
+    logits; the native cache's unused columns hold finite numbers, since attention adds 0 x value."""
+    for arch, target in targets.items():
+        first, second = target.new_cache(2, 40), target.new_cache(1, 90)
+        a = torch.tensor([[5, 6, 7, 8, 9], [1, 1, 2, 3, 4]])
+        b = torch.tensor([[9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3]])
+        target.forward(first, a)
+        target.forward(second, b)
+        first.extend(second)
+        if hasattr(first, "kv"):
+            assert torch.isfinite(first.kv).all(), arch
+        step = torch.tensor([[11], [12], [13]])
+        logits, _ = target.forward(first, step)
+        for row, prompt in enumerate([a[0], a[1], b[0]]):
+            alone = target.new_cache(1, 40)
+            expected, _ = target.forward(alone, torch.cat([prompt, step[row]])[None])
+            assert torch.allclose(logits[row, -1], expected[0, -1], atol=1e-5), (arch, row)

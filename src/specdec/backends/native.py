@@ -254,9 +254,9 @@ class NativeCache(RaggedCache):
         first, second = self.kv, other.kv
         if first.shape[4] == capacity and second.shape[4] == capacity:
             self.kv = torch.cat([first, second], dim=2)
-        else:  # columns past ``columns`` are unused: copy only the used ones
+        else:  # copy only the used columns; the others must hold finite numbers (attention adds 0 x value)
             layers, two, b1, heads, _, dim = first.shape
-            kv = first.new_empty(layers, two, b1 + second.shape[2], heads, capacity, dim)
+            kv = first.new_zeros(layers, two, b1 + second.shape[2], heads, capacity, dim)
             kv[:, :, :b1, :, : self.columns] = first[:, :, :, :, : self.columns]
             kv[:, :, b1:, :, : other.columns] = second[:, :, :, :, : other.columns]
             self.kv = kv
