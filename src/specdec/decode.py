@@ -61,13 +61,13 @@ class GenerationOutput:
     stats: Stats
 
 
-def check_context(target: Target, prompts: list[list[int]], config: GenerationConfig) -> None:
+def check_context(target: Target, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Refuse, before any work, generations that would run past the context window."""
     longest = max(len(p) for p in prompts)
     window = target.max_positions
-    if window is not None and longest + config.max_new_tokens > window:
+    if window is not None and longest + max_new_tokens > window:
         raise ContextLengthError(
-            f"prompt ({longest} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds "
+            f"prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
             f"the context window of {window} tokens")
 
 
@@ -102,7 +102,7 @@ def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
     policy: drafts per step (specdec.schedule; None: config's k and schedule)."""
     from specdec.engine import Engine, Request
 
-    check_context(target, prompts, config)
+    check_context(target, prompts, config.max_new_tokens)
     started = time.perf_counter()
     engine = Engine(target, drafter, num_draft_tokens=config.num_draft_tokens, tree=config.tree,
                     max_batch_size=max(1, len(prompts)), max_queue=max(1, len(prompts)), stream=False,

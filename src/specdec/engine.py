@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batch import Sequences
-from specdec.decode import (GenerationConfig, _stop_counts, _verify, cache_capacity, committed_features,
-                            default_draft_tokens, warn_inexact)
+from specdec.decode import (GenerationConfig, _stop_counts, _verify, cache_capacity, check_context,
+                            committed_features, default_draft_tokens, warn_inexact)
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, TreeConfig
 from specdec.drafters.none import NoDraft
 from specdec.errors import ContextLengthError, InvalidArgumentError, SpecdecError, UnsupportedModelError
@@ -158,10 +158,7 @@ class Engine:
             raise InvalidArgumentError("the prompt is empty")
         if request.max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        window = self.target.max_positions
-        if window is not None and len(request.prompt) + request.max_new_tokens > window:
-            raise ContextLengthError(f"prompt ({len(request.prompt)} tokens) plus max_new_tokens "
-                                     f"({request.max_new_tokens}) exceeds the context window of {window} tokens")
+        check_context(self.target, [request.prompt], request.max_new_tokens)
         reserved = len(request.prompt) + request.max_new_tokens + self.width + 1
         if self.max_kv_tokens is not None and reserved > self.max_kv_tokens:
             raise ContextLengthError(f"the request needs {reserved} tokens of KV memory (prompt, max_new_tokens and "
@@ -211,7 +208,7 @@ class Engine:
                     self.waiting.remove(state)
                     self._finish(state, "cancelled", updates)
         for group in self.groups.values():
-            group.leave([s for s in group.states if s.cancelled], "cancelled", updates)
+            group.leave({i: "cancelled" for i, s in enumerate(group.states) if s.cancelled}, updates)
         for key, cohort in self._admissions().items():
             group = self.groups.get(key)
             if group is None:
@@ -248,7 +245,7 @@ class Engine:
         """A request ends: its reservation is freed and its final update emitted (call under the lock
         or from the engine thread)."""
         self.states.pop(state.request_id, None)
-        updates.append(Update(state.request_id, tokens if tokens is not None else [], None, reason, state.stats))
+        updates.append(Update(state.request_id, tokens or [], None, reason, state.stats))
 
     def free(self, state: RequestState) -> None:
         with self._lock:
@@ -478,32 +475,26 @@ class Group:
         if not bool(done.any()):
             return
         rows = done.nonzero().squeeze(1).tolist()
-        reasons = {self.states[i].request_id: "stop" if self._ends_in_eos(i) else "length" for i in rows}
-        self.leave([self.states[i] for i in rows], None, updates, reasons)
+        self.leave({i: "stop" if self._ends_in_eos(i) else "length" for i in rows}, updates)
 
     def _ends_in_eos(self, row: int) -> bool:
         last = self.seqs.tokens[row, int(self.seqs.lengths[row]) - 1]
         return bool(torch.isin(last, self.engine.eos))
 
-    def leave(self, states: list[RequestState], reason: str | None, updates: list[Update],
-              reasons: dict[str, str] | None = None) -> None:
-        """Rows of ``states`` leave the batch: their updates are final, their memory freed."""
-        if not states:
+    def leave(self, reasons: dict[int, str], updates: list[Update]) -> None:
+        """Rows ``reasons`` (row -> finish reason) leave the batch: their updates are final, their memory freed."""
+        if not reasons:
             return
         engine = self.engine
-        gone = {id(s) for s in states}
-        keep_rows = [i for i, s in enumerate(self.states) if id(s) not in gone]
-        for row, state in enumerate(self.states):
-            if id(state) not in gone:
-                continue
-            tokens = None
-            if not engine.stream:
+        keep_rows = [i for i in range(self.size) if i not in reasons]
+        for row, reason in reasons.items():
+            state = self.states[row]
+            if not engine.stream:  # the whole output with the final update
                 start, stop = int(self.prompt_lengths[row]), int(self.seqs.lengths[row])
                 state.tokens = self.seqs.tokens[row, start:stop].tolist()
-                tokens = state.tokens
             engine.free(state)
             with engine._lock:
-                engine._finish(state, reason or reasons[state.request_id], updates, [] if engine.stream else tokens)
+                engine._finish(state, reason, updates, state.tokens)
         self.states = [self.states[i] for i in keep_rows]
         self.empty = self._ones = None
         if not keep_rows:

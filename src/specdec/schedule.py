@@ -39,9 +39,6 @@ class FixedK:
                 timing: dict) -> None:
         """After a step of ``width`` drafts per row; timing: seconds of drafting and of the whole step."""
 
-    def describe(self) -> str:
-        return self.name
-
 
 class StaticTable(FixedK):
     """vLLM's ``num_speculative_tokens_per_batch_size``: k by batch size, 0 turning speculation off.
@@ -62,9 +59,6 @@ class StaticTable(FixedK):
     def draft_tokens(self, engine, group) -> int:
         size = self.sizes[bisect.bisect_right(self.sizes, group.size) - 1]
         return min(self.table[size], engine.config.k_limit)
-
-    def describe(self) -> str:
-        return "static " + ",".join(f"{b}:{self.table[b]}" for b in self.sizes)
 
 
 class LoadAware(FixedK):
@@ -192,9 +186,6 @@ class LoadAware(FixedK):
             blend(self.draft_cost, bucket(rows), timing["draft"] / width, self.decay)
         extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, width + 1))
         blend(self.overhead[bool(width)], bucket(rows), extra, self.decay)  # a speculative step's bookkeeping costs more
-
-    def describe(self) -> str:
-        return f"load-aware (k <= {getattr(self, 'k_max', self.max_draft_tokens)})"
 
 
 def bucket(rows: int) -> int:
