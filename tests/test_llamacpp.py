@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from specdec.decode import GenerationConfig, generate_ids
+from specdec.decode import GenerationConfig
+from specdec.engine import generate_ids
 from specdec.drafters import NoDraft
 from specdec.errors import SpecdecError
 from specdec.commands.llamacpp import MISSING, compare, first_difference, format_comparison, llama_cpp_plain

@@ -1,4 +1,5 @@
-"""3. ACCEPT: the loop propose -> verify -> commit / roll back, for a ragged batch.
+"""3. ACCEPT: one step propose -> verify -> commit / roll back, for a ragged batch, and the
+generation settings it runs under. The engine (engine.py) drives it; nothing here knows the engine.
 
 Invariant between steps: the target cache holds every committed token of a row except the last
 one (the "pending" token), so a verification feeds [pending, draft_1 .. draft_k] and its k+1
@@ -7,18 +8,15 @@ logits score every draft plus the token after them.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import Drafter, Proposal, TargetFeatures, TreeConfig
-from specdec.drafters.none import NoDraft
+from specdec.drafters.base import Proposal, TargetFeatures, TreeConfig
 from specdec.errors import ContextLengthError, InvalidArgumentError, NumericsWarning
 from specdec.sampling import SamplingConfig, probabilities, sample
-from specdec.stats import Stats
 from specdec.backends.target import Target
 from specdec.verify import ancestor_mask, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
@@ -54,13 +52,6 @@ class GenerationConfig:
         return max(self.num_draft_tokens, self.max_draft_tokens)
 
 
-@dataclass
-class GenerationOutput:
-    token_ids: list[list[int]]   # new tokens of each prompt, EOS included when generated
-    texts: list[str] | None      # decoded new tokens, when the target has a tokenizer
-    stats: Stats
-
-
 def check_context(target: Target, prompts: list[list[int]], max_new_tokens: int) -> None:
     """Refuse, before any work, generations that would run past the context window."""
     longest = max(len(p) for p in prompts)
@@ -79,42 +70,12 @@ def default_draft_tokens(drafter) -> int:
     return int(getattr(drafter, "default_draft_tokens", None) or DEFAULT_DRAFT_TOKENS)
 
 
-def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant",
-             tree: TreeConfig | None = None) -> GenerationOutput:
-    """Generate from a batch of prompts (str or list of token ids), losslessly sped up by ``drafter``.
-
-    ``tree``: verify token trees (``TreeConfig(depth, topk, num_nodes)``) instead of chains of k.
-    ``num_draft_tokens``: k, the drafts per step (default: the drafter's own, else 5).
-    """
-    if num_draft_tokens is None:
-        num_draft_tokens = default_draft_tokens(drafter)
-    config = GenerationConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
-                              sampling=SamplingConfig(temperature, top_k, top_p), seed=seed,
-                              draft_schedule=draft_schedule, tree=tree)
-    return generate_ids(target, target.encode(prompts), drafter or NoDraft(), config)
-
-
-def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
-                 config: GenerationConfig, policy=None) -> GenerationOutput:
-    """The one-shot path: every prompt joins the engine at once, and it steps until all finish.
-    policy: drafts per step (specdec.schedule; None: config's k and schedule)."""
-    from specdec.engine import Engine, Request
-
-    check_context(target, prompts, config.max_new_tokens)
-    started = time.perf_counter()
-    engine = Engine(target, drafter, num_draft_tokens=config.num_draft_tokens, tree=config.tree,
-                    max_batch_size=max(1, len(prompts)), max_queue=max(1, len(prompts)), stream=False,
-                    draft_schedule=config.draft_schedule, max_draft_tokens=config.max_draft_tokens, policy=policy)
-    stats = engine.stats
-    stats.batch_size = len(prompts)
-    if config.max_new_tokens == 0:
-        return _finish(target, [[] for _ in prompts], stats, started)
-    # One batch, one seed: the generator of the first (only) group is seeded with config.seed.
-    requests = [Request(list(p), config.max_new_tokens, config.sampling, config.seed) for p in prompts]
-    states = engine.run(requests)
-    return _finish(target, [s.tokens for s in states], stats, started)
+def default_tree(drafter, num_draft_tokens: int | None, tree: TreeConfig | None) -> TreeConfig | None:
+    """The tree a generation verifies: the one asked for; with neither k nor a tree asked for, the one
+    the drafter records as measured fastest (None: chains)."""
+    if tree is not None or num_draft_tokens is not None:
+        return tree
+    return getattr(drafter, "default_tree", None)
 
 
 def warn_inexact(target: Target) -> None:
@@ -163,7 +124,7 @@ def committed_features(hidden: torch.Tensor, keep: torch.Tensor | None, counts: 
     return TargetFeatures(states, valid)
 
 
-def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
+def verify_block(forward, cache, seqs: Sequences, proposal: Proposal,
             sampling: SamplingConfig, generator: torch.Generator, process=None, layers: tuple[int, ...] = ()):
     """One target pass over [pending, drafts]: the chain, or the whole tree under a tree mask.
 
@@ -221,7 +182,7 @@ def _verify(forward, cache, seqs: Sequences, proposal: Proposal,
     return num_accepted, next_token, accepted, keep, hidden, logits
 
 
-def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):
+def stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tensor):
     """Cut each row's new tokens right after its first EOS. new_tokens: [B, n]; counts: [B].
 
     Returns (counts [B], hit_eos [B] bool).
@@ -236,11 +197,3 @@ def _stop_counts(new_tokens: torch.Tensor, counts: torch.Tensor, eos: torch.Tens
     is_eos = is_eos & (slots[None, :] < counts[:, None])
     first = torch.where(is_eos, slots[None, :], new_tokens.shape[1]).min(1).values
     return torch.minimum(counts, first + 1), first < new_tokens.shape[1]
-
-
-def _finish(target: Target, outputs: list[list[int]], stats: Stats, started: float) -> GenerationOutput:
-    stats.finalize()
-    stats.new_tokens = sum(len(o) for o in outputs)
-    stats.total_time = time.perf_counter() - started
-    texts = None if target.tokenizer is None else [target.decode(o) for o in outputs]
-    return GenerationOutput(outputs, texts, stats)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batch import Sequences
-from specdec.decode import (GenerationConfig, _stop_counts, _verify, cache_capacity, check_context,
-                            committed_features, default_draft_tokens, warn_inexact)
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, TreeConfig
+from specdec.decode import (GenerationConfig, cache_capacity, check_context, committed_features, default_draft_tokens,
+                            default_tree, stop_counts, verify_block, warn_inexact)
+from specdec.backends.target import Target
+from specdec.drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
 from specdec.drafters.none import NoDraft
 from specdec.errors import ContextLengthError, InvalidArgumentError, SpecdecError, UnsupportedModelError
 from specdec.processors import GenerationProcessors
@@ -117,6 +118,7 @@ class Engine:
         from specdec.schedule import FixedK
 
         drafter = drafter or NoDraft()
+        tree = default_tree(drafter, num_draft_tokens, tree)
         if num_draft_tokens is None:
             num_draft_tokens = default_draft_tokens(drafter)
         self.config = GenerationConfig(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule,
@@ -389,7 +391,7 @@ class Group:
         processors = self.processors
         process = processors and (lambda lg: processors.apply(seqs, self.prompt_lengths, lg, proposal.tokens,
                                                                proposal.parents, budgets=self.budget))
-        verified = _verify(forward, cache, seqs, proposal, sampling, self.generator, process, layers)
+        verified = verify_block(forward, cache, seqs, proposal, sampling, self.generator, process, layers)
         num_accepted, next_token, accepted, keep, hidden = verified[:5]
         if proposal.k:
             # Commit: pending token + accepted drafts stay in the target cache; the rest is rolled back.
@@ -397,7 +399,7 @@ class Group:
             cache.compact()
             new_tokens = torch.cat([accepted, next_token[:, None]], dim=1)
             new_tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
-            counts, hit_eos = _stop_counts(new_tokens, num_accepted + 1, engine.eos)
+            counts, hit_eos = stop_counts(new_tokens, num_accepted + 1, engine.eos)
             counts = torch.minimum(counts, self.remaining)
         else:  # plain decoding: one token per row, and every live row has room for it
             new_tokens = next_token[:, None]
@@ -518,3 +520,61 @@ class Group:
 
 
 ENGINE_READY = True
+
+
+# ---------------------------------------------------------------------------------------------
+# generate: the engine's one-shot client (every prompt joins at once; it steps until all finish).
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[list[int]]   # new tokens of each prompt, EOS included when generated
+    texts: list[str] | None      # decoded new tokens, when the target has a tokenizer
+    stats: Stats
+
+
+def generate(target: Target, prompts, drafter: Drafter | None = None, num_draft_tokens: int | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, draft_schedule: str = "constant",
+             tree: TreeConfig | None = None) -> GenerationOutput:
+    """Generate from a batch of prompts, losslessly sped up by ``drafter``.
+
+    A prompt is a string, a list of token ids, or a conversation: a list of {"role", "content"} dicts
+    that the target's chat template renders (``Target.encode``); forms may mix within a batch.
+
+    ``tree``: verify token trees (``TreeConfig(depth, topk, num_nodes)``) instead of chains of k.
+    ``num_draft_tokens``: k, the drafts per step (default: the drafter's own, else 5).
+    """
+    tree = default_tree(drafter, num_draft_tokens, tree)
+    if num_draft_tokens is None:
+        num_draft_tokens = default_draft_tokens(drafter)
+    config = GenerationConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
+                              sampling=SamplingConfig(temperature, top_k, top_p), seed=seed,
+                              draft_schedule=draft_schedule, tree=tree)
+    return generate_ids(target, target.encode(prompts), drafter or NoDraft(), config)
+
+
+def generate_ids(target: Target, prompts: list[list[int]], drafter: Drafter,
+                 config: GenerationConfig, policy=None) -> GenerationOutput:
+    """The one-shot path: every prompt joins the engine at once, and it steps until all finish.
+    policy: drafts per step (specdec.schedule; None: config's k and schedule)."""
+    check_context(target, prompts, config.max_new_tokens)
+    started = time.perf_counter()
+    engine = Engine(target, drafter, num_draft_tokens=config.num_draft_tokens, tree=config.tree,
+                    max_batch_size=max(1, len(prompts)), max_queue=max(1, len(prompts)), stream=False,
+                    draft_schedule=config.draft_schedule, max_draft_tokens=config.max_draft_tokens, policy=policy)
+    stats = engine.stats
+    stats.batch_size = len(prompts)
+    if config.max_new_tokens == 0:
+        return _finish(target, [[] for _ in prompts], stats, started)
+    # One batch, one seed: the generator of the first (only) group is seeded with config.seed.
+    requests = [Request(list(p), config.max_new_tokens, config.sampling, config.seed) for p in prompts]
+    states = engine.run(requests)
+    return _finish(target, [s.tokens for s in states], stats, started)
+
+
+def _finish(target: Target, outputs: list[list[int]], stats: Stats, started: float) -> GenerationOutput:
+    stats.finalize()
+    stats.new_tokens = sum(len(o) for o in outputs)
+    stats.total_time = time.perf_counter() - started
+    texts = None if target.tokenizer is None else [target.decode(o) for o in outputs]
+    return GenerationOutput(outputs, texts, stats)

@@ -106,14 +106,33 @@ class Target:
             self._fingerprint = weights_fingerprint(self.input_embeddings(), self.output_head())
         return self._fingerprint
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) or None
+
+    def render_chat(self, messages: list[dict], template: str | None = None) -> str:
+        """A conversation as the text the model continues as the assistant, through ``template`` (default:
+        the tokenizer's). The template writes the special tokens it wants: tokenise the text adding none."""
+        template = template or self.chat_template
+        if self.tokenizer is None or not template:
+            raise InvalidArgumentError(f"{self.name} has no chat template to render a conversation with")
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # the template's own refusals (roles out of order, ...)
+            raise InvalidArgumentError(f"the chat template cannot render these messages: {exc}") from None
+
     def encode(self, prompts) -> list[list[int]]:
-        """Prompts as token ids: each prompt is a string (needs a tokenizer) or a list of ints."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Prompts as token ids. A prompt is a string (needs a tokenizer), a list of ints, or a conversation
+        (a list of {"role", "content"} dicts, rendered by ``render_chat``); a lone prompt needs no list."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         if not prompts:
             raise InvalidArgumentError("no prompts given")
         encoded = []
         for index, prompt in enumerate(prompts):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = self.render_chat(prompt)
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise SpecdecError(f"{self.name} has no tokenizer; pass prompts as token ids")
@@ -151,6 +170,7 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
+    path = resolve_model(path)
     runner, model = load_backend(path, dtype, device, backend)
     target = Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path), backend=runner,
                     generation_config=hf.load_generation_config(path) if model is None else None, path=str(path))
@@ -168,6 +188,7 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
     """(backend, transformers model or None) for a model directory; shared by targets and draft models."""
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    path = resolve_model(path)
     hf.check_model_dir(path)
     if backend != "hf":
         from specdec.backends.native import NativeBackend
@@ -179,6 +200,17 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
             raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     model = hf.load_causal_lm(path, dtype=dtype, device=device)
     return hf.HFBackend.for_model(model), model
+
+
+def resolve_model(path: str | os.PathLike) -> str | os.PathLike:
+    """``path`` itself, or the folder of the zoo or real model it names (``smollm2-135m``, built on
+    first use) when no such path exists."""
+    from specdec.zoo import REAL_MODELS, zoo_path
+
+    name = str(path)
+    if not os.path.exists(name) and (name in REAL_MODELS or name.partition("/")[0] in REAL_MODELS):
+        return zoo_path(name)
+    return path
 
 
 def parse_dtype(name: str) -> torch.dtype:

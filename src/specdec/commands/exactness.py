@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.set_verbosity_error()
         target = specdec.load_target(target_dir, dtype=dtype, backend=args.backend)
         draft = specdec.drafters.DraftModel(draft_dir, dtype=dtype, backend=args.backend) if draft_dir else None
-        prompts = target.encode(load_tasks(args.task)[: args.prompts])
+        prompts = target.encode(load_tasks(args.task, tokenizer=target.tokenizer)[: args.prompts])
         result = measure(target, prompts, draft, args.max_new_tokens, progress=not args.no_progress)
     except SpecdecError as exc:
         print(f"specdec.commands.exactness: error: {exc}", file=sys.stderr)

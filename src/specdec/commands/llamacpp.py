@@ -199,7 +199,8 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     """
     import torch
 
-    from specdec.decode import GenerationConfig, generate_ids
+    from specdec.decode import GenerationConfig
+    from specdec.engine import generate_ids
     from specdec.drafters import DraftModel, NoDraft, PromptLookup
     from specdec.commands.gguf import export
     from specdec.backends.target import load_target
@@ -212,7 +213,7 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     llama_cpp = _llama_cpp()  # fail before any work when it is missing
     torch.set_num_threads(threads)
     target = load_target(target_dir, backend=backend)
-    prompts = target.encode(load_tasks(tasks)[:num_prompts])
+    prompts = target.encode(load_tasks(tasks, tokenizer=target.tokenizer)[:num_prompts])
     eos = list(target.eos_token_ids)
 
     def specdec_method(drafter, k):

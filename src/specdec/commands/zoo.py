@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.train import distill, target
-from specdec.train.features import drafter_training
+from specdec.train.methods import drafter_training
 from specdec.train.loop import list_checkpoints
 from specdec.zoo import corpus, data_dir, tasks
 from specdec.zoo import tokenizer as zoo_tokenizer

@@ -157,3 +157,18 @@ class StatelessSession:
 
     def extend(self, other) -> None:
         pass
+
+
+def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
+    """(k, tree) a drafter folder records as measured fastest (``specdec bench --record``), each None
+    when it records none: what a generation that asks for neither uses."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            best = (json.load(handle).get("specdec") or {}).get("defaults") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    tree = best.get("tree")
+    return best.get("num_draft_tokens"), TreeConfig(*tree) if tree else None

@@ -22,7 +22,7 @@ from specdec.batch import Sequences, cat_rows
 from specdec.errors import InvalidArgumentError
 from specdec.models import dflash
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.drafters.eagle import check_target, require_kernels
 
 
@@ -42,7 +42,8 @@ class DFlash:
             raise InvalidArgumentError(f"DFlash block size must be in 2..{trained} (the drafter in {self.path} "
                                        f"was trained with blocks of {trained}), got {block_size}")
         self.block_size = block_size
-        self.default_draft_tokens = block_size - 1  # what a generation without an explicit k drafts
+        recorded, _ = recorded_defaults(self.path)   # the k that measured fastest, when the block is the trained one
+        self.default_draft_tokens = min(recorded or block_size - 1, block_size - 1)
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
         self._runtimes: dict = {}
 

@@ -19,7 +19,7 @@ from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.drafters.tree import dynamic_tree
 
 
@@ -36,6 +36,7 @@ class Eagle:
         self.name = self.config.name
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True,
                                     head=self.config.version == 1)
+        self.default_draft_tokens, self.default_tree = recorded_defaults(self.path)
         self._runtimes: dict = {}
 
     @property

@@ -25,6 +25,25 @@ def atomic_dir(out_dir: str | os.PathLike):
         shutil.rmtree(work, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def replaced_dir(out_dir: str | os.PathLike):
+    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir`` whole (its files
+    readable by all), on failure it is removed and ``out_dir`` stays as it was."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        yield work
+        os.chmod(work, 0o755)
+        for item in work.iterdir():
+            os.chmod(item, 0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(work, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def save_folder(out_dir, config: dict, weights_file: str, tensors: dict, dtype, extra: dict[str, str] | None = None):
     """config.json + safetensors weights (floating tensors in ``dtype``) + ``extra`` text files, atomically."""
     import json

@@ -82,6 +82,18 @@ def cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
 
 
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and the vector flags that decide its speed, for every speed figure."""
+    text = cpu_fingerprint()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return f"{name} ({' '.join(f for f in SPEED_FLAGS if f in flags) or 'no AVX2'})"
+
+
 def build(native: bool = True) -> Path:
     """Compile kernels.c (once per source, compiler command and CPU) and return the library's path.
 

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdec.errors import SpecdecError
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import APIError, Params, invalid, parse_chat, parse_completion, parse_messages
 from specdec.serve.runner import EngineDied, EngineRunner
@@ -48,7 +49,7 @@ class Server:
         self.engine = engine
         self.target = target
         self.model_name = model_name or Path(str(target.name)).name
-        self.chat_template = chat_template
+        self.chat_template = chat_template or target.chat_template
         self.runner = runner or EngineRunner(engine)
         self.metrics = ServerMetrics(engine, self.model_name)
         self.created = int(time.time())
@@ -60,19 +61,15 @@ class Server:
                            param="model", code="model_not_found")
 
     def render_chat(self, messages: list[dict]) -> str:
-        tokenizer = self.target.tokenizer
-        template = self.chat_template or getattr(tokenizer, "chat_template", None)
-        if tokenizer is None or not template:
+        if not self.chat_template:
             raise invalid("messages", f"the model {self.model_name} has no chat template; use /v1/completions, "
                                       "or start the server with --chat-template FILE")
         try:
-            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                 tokenize=False)
-        except Exception as exc:  # the template's own refusals (roles out of order, ...)
-            raise invalid("messages", f"the chat template cannot render these messages: {exc}") from None
+            return self.target.render_chat(messages, self.chat_template)
+        except SpecdecError as exc:
+            raise invalid("messages", str(exc)) from None
 
     def encode(self, prompt, param: str) -> list[int]:
-        from specdec.errors import SpecdecError
         try:
             return self.target.encode([prompt])[0]
         except SpecdecError as exc:

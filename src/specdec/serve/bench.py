@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.serve import BackgroundServer, create_app
+from specdec.serve.runner import build_engine
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
@@ -170,8 +171,9 @@ def warm_up(url: str, prompts: list[str], args) -> str:
     return model
 
 
-def run_bench_serve(args, prompts: list[str]) -> dict:
-    """Every mode (or the server at ``args.url``), every concurrency: the result as JSON-ready dict."""
+def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
+    """Every mode (or the server at ``args.url``), every concurrency: the result as JSON-ready dict.
+    engine_options: the Engine's keyword arguments (k, tree, limits), as the command reads them from its flags."""
     result = {"max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "concurrency": list(args.concurrency), "modes": {}}
     if args.url is not None:
@@ -185,8 +187,8 @@ def run_bench_serve(args, prompts: list[str]) -> dict:
         servers = {}
         for mode in args.modes:  # every server first, then the waves of every mode side by side
             drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
-            servers[mode] = stack.enter_context(in_process(args, drafter, policy) if args.in_process
-                                                else ServerProcess(args, drafter, policy))
+            servers[mode] = stack.enter_context(in_process(args, engine_options, drafter, policy) if args.in_process
+                                                else ServerProcess(args, engine_options, drafter, policy))
             result["modes"][mode] = {"startup_seconds": servers[mode].startup_seconds,
                                      "profile_seconds": servers[mode].profile_seconds, "waves": []}
         models = {mode: warm_up(server.url, prompts, args) for mode, server in servers.items()}
@@ -199,25 +201,19 @@ def run_bench_serve(args, prompts: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def in_process(args, drafter: str, policy: str | None):
+def in_process(args, engine_options: dict, drafter: str, policy: str | None):
     """A mode's server on a thread of this process, as ``ServerProcess`` describes it."""
     from specdec.backends.target import load_target
 
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    engine = build(target, drafter, policy, args)
+    engine, _ = build_engine(target, drafter, args, policy, **engine_options)
     with BackgroundServer(create_app(engine, target)) as server:
         server.startup_seconds, server.profile_seconds = time.perf_counter() - started, engine.profile_seconds
         yield server
 
 
-def build(target, drafter: str, policy: str | None, args):
-    from specdec.commands.serve import build_engine
-
-    return build_engine(target, drafter, args, policy)[0]
-
-
-def serve_child(args, drafter: str, policy: str | None, reply) -> None:
+def serve_child(args, engine_options: dict, drafter: str, policy: str | None, reply) -> None:
     """A server process: load, build the engine, listen on a free port, report (url, start-up, profiling)."""
     import torch
 
@@ -228,7 +224,7 @@ def serve_child(args, drafter: str, policy: str | None, reply) -> None:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    engine = build(target, drafter, policy, args)
+    engine, _ = build_engine(target, drafter, args, policy, **engine_options)
     sock = listen("127.0.0.1", 0)
     server = uvicorn_server(create_app(engine, target))
     reply.put((url_of(sock), time.perf_counter() - started, engine.profile_seconds))
@@ -239,12 +235,13 @@ class ServerProcess:
     """A mode's server in a process of its own (its engine on one core, the clients on another), until
     the end of a ``with`` block; ``startup_seconds`` counts loading, the engine (profiling) and binding."""
 
-    def __init__(self, args, drafter: str, policy: str | None, timeout: float = 900.0):
+    def __init__(self, args, engine_options: dict, drafter: str, policy: str | None, timeout: float = 900.0):
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self.reply = context.Queue()
-        self.process = context.Process(target=serve_child, args=(args, drafter, policy, self.reply), daemon=True)
+        self.process = context.Process(target=serve_child,
+                                       args=(args, engine_options, drafter, policy, self.reply), daemon=True)
         self.timeout = timeout
 
     def __enter__(self) -> "ServerProcess":

@@ -1,4 +1,5 @@
-"""The engine thread: steps the engine while it has work and hands each update to its request's asyncio queue.
+"""The engine thread: steps the engine while it has work and hands each update to its request's asyncio queue;
+and ``build_engine``, the engine a server runs.
 
 The engine is stepped from this one thread only; requests are added and cancelled from the event loop
 (``Engine.add`` and ``Engine.cancel`` are thread-safe). An exception in a step ends the thread: the runner
@@ -11,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 
 log = logging.getLogger("specdec.serve")
@@ -124,3 +126,21 @@ class EngineRunner:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting
             pass
+
+
+def build_engine(target, drafter: str, options, policy: str | None = None, **engine_options):
+    """An engine on ``target`` with a freshly built drafter (a registry name, built from the ``options``
+    namespace: --draft, n-gram sizes, ...); (engine, seconds it took). ``policy``: schedule.parse_policy's text."""
+    from specdec.drafters.registry import build
+    from specdec.engine import Engine
+    from specdec.schedule import parse_policy
+
+    started = time.perf_counter()
+    if drafter == "none":
+        engine = Engine(target, None, **engine_options)
+    else:
+        built = build(drafter, getattr(options, "draft", None), options)
+        if hasattr(built, "check_compatible"):
+            built.check_compatible(target)
+        engine = Engine(target, built, policy=parse_policy(policy) if policy else None, **engine_options)
+    return engine, time.perf_counter() - started

@@ -203,7 +203,7 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
     """Train (or resume) a DFlash drafter for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     run = prepare_run("dflash", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
-    config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
+    config, target, held, log = run.config, run.target, run.held, run.log
     shape = config.shape
     if shape.layers < 1 or shape.block_size < 2 or shape.target_features < 1:
         raise DFlashTrainError(f"a DFlash drafter needs >= 1 layer, block size >= 2 and >= 1 target feature, got "
@@ -223,7 +223,7 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
                                                     num_target_features=shape.target_features,
                                                     intermediate_size=shape.intermediate or None)
         net = dflash.DFlashNet(net_config)
-    frozen = FrozenTarget(target_dir)
+    frozen = run.frozen(net_config.hidden_layers())
     objective = Objective(config, frozen, net_config)
     run_config = {"kind": "dflash", "dflash": config_to_dict(config), "target": target.fingerprint()}
     result = run_loop(model=net, config=config.optim, batch_fn=batch_maker(run, salt=31), loss_fn=objective.loss,
@@ -238,9 +238,7 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
     useless = warn_if_useless(final, key, log, "dflash")
     summary = {
         "kind": "dflash", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
-        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
-        "train_sequences": int(train.tokens.shape[0]), "heldout_tokens": held.num_tokens,
-        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        **run.data_fields(),
         "initialised_from": config.init_from or None, "mask_token_id": net_config.mask_token_id, "target_layer_ids": list(net_config.target_layer_ids),
         "offline": {k: round(v, 4) for k, v in final.items()}, "low_acceptance_warning": useless,
         "history": result.history, "config": config_to_dict(config),

@@ -92,11 +92,11 @@ def load_config(path: str | None, preset: str = "zoo") -> DistillConfig:
     return train_config.load_config(DistillConfig, PRESETS, path, preset, "distillation")
 
 
-def load_frozen_target(target_dir: Path) -> torch.nn.Module:
-    """The exported target in float32, eval mode, gradients off."""
+def load_frozen_target(target_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The exported target (float32 unless asked), eval mode, gradients off."""
     if not (Path(target_dir) / "config.json").is_file():
         raise DistillError(f"no exported model in {target_dir} (config.json missing)")
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)

@@ -59,6 +59,12 @@ PRESETS: dict[str, EagleTrainConfig] = {
     "eagle3": EagleTrainConfig(),
     "eagle": EagleTrainConfig(version=1, ttt_steps=1, optim=OptimConfig(steps=1200, lr=2e-3, warmup_steps=50,
                                                                        eval_every=200, ckpt_every_steps=100)),
+    # A real chat target (SmolLM2-135M-Instruct): ShareGPT conversations with the target's distributions
+    # as labels, features cached; sized for about 100 minutes on 2 cores (docs/real-target.md).
+    "eagle3-sharegpt": EagleTrainConfig(batch_size=8, train_sequences=1536, heldout_sequences=48, prefix_len=256,
+                                        generated_len=256, source="sharegpt", draft_vocab_size=8192,
+                                        optim=OptimConfig(steps=480, lr=2e-3, warmup_steps=30, eval_every=120,
+                                                          ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
                              ttt_steps=3, eval_depth=3, draft_vocab_size=0, **TINY_DATA),
 }
@@ -99,14 +105,16 @@ class Objective:
             scale = c.noise * 512 / tokens.shape[1]
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * scale
         outputs = net.rollout(self.embeds(tokens, steps, pairs), inputs, steps)
+        if net.config.version == 3:  # the target's choice and its logits over the draft vocabulary, once
+            in_vocab_all = net.t2d[logits.argmax(-1)].float()      # [B, T]
+            logits = logits[..., net.draft_ids()]                  # [B, T, V_draft]
         total = 0.0
         for step, out in enumerate(outputs):
             mask = shifted(valid, 1 + step, pairs, False).float()  # [B, N] the target logits exist
-            target = shifted(logits, 1 + step, pairs)              # [B, N, V]
+            target = shifted(logits, 1 + step, pairs)              # [B, N, V or V_draft]
             if net.config.version == 3:
-                ids = net.draft_ids()
-                in_vocab = net.t2d[target.argmax(-1)].float()
-                probs = torch.softmax(target[..., ids], dim=-1)
+                in_vocab = shifted(in_vocab_all, 1 + step, pairs)
+                probs = torch.softmax(target, dim=-1)
                 ce = -(probs * torch.log_softmax(net.logits(out, None), dim=-1)).sum(-1)
                 weight = mask * in_vocab
                 total = total + c.ttt_decay ** step * (ce * weight).sum() / weight.sum().clamp(min=1)
@@ -163,7 +171,7 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
         net.set_draft_vocab(used)
         _, valid = train.batch(torch.arange(train.tokens.shape[0]))
         coverage = float(net.t2d[train.tokens[valid]].float().mean())
-    frozen = FrozenTarget(target_dir)
+    frozen = run.frozen(shape.hidden_layers())
     objective = Objective(config, frozen, shape.hidden_layers())
 
     run_config = {"kind": "eagle", "eagle": config_to_dict(config), "target": target.fingerprint()}
@@ -178,9 +186,7 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
     useless = warn_if_useless(final, "tau_k4", log, shape.name)
     summary = {
         "kind": shape.name, "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
-        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
-        "train_sequences": int(train.tokens.shape[0]), "heldout_tokens": held.num_tokens,
-        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        **run.data_fields(),
         "draft_vocab_coverage": round(coverage, 4),
         "offline": {key: round(value, 4) for key, value in final.items()}, "low_acceptance_warning": useless,
         "config": config_to_dict(config),

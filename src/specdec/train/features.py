@@ -6,8 +6,15 @@
   benchmark generates) of code-completion prompts built from the validation split the way the
   benchmark's task set is built from the test split: there the target's greedy choice at every
   generated position is the next token, which is what the offline metric needs.
-* Features are computed on the fly by the frozen target (transformers, float32) for each batch;
-  nothing but token ids is stored.
+* Real targets (any target whose tokenizer is not the zoo's) train on ShareGPT's train split instead
+  (``source``): ``sharegpt`` takes whole conversations, chat-templated, with the target's own
+  distributions as labels (as EAGLE trains); ``sharegpt-self`` takes their first user turns and the
+  target's own responses (greedy and sampled, as Medusa-2 and DFlash recommend). Held-out sequences
+  are greedy continuations of first user turns of ShareGPT's held-out split.
+* Features: the zoo's are computed on the fly by the frozen target (transformers, float32) for each
+  batch. A real target's are computed once per data set by a batched bfloat16 forward pass and kept
+  on disk (``FeatureCache``: the chosen layers and the final normed state, from which logits are
+  one product with the head), in chunks written as they are done, so a killed run resumes.
 * The offline metric: drafting as at inference (the drafter's own outputs fed back) from every
   generated position of the held-out sequences, the number of leading drafts equal to the target's
   greedy tokens gives per-position acceptance and a predicted tau = 1 + sum_j P(first j accepted),
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specdec.train import data
@@ -40,6 +48,7 @@ class DataRecipe:
     generated_len: int = 192
     generation_batch: int = 64
     seed: int = 0
+    source: str = "auto"    # auto (the zoo's corpus for zoo targets, else sharegpt), corpus, sharegpt, sharegpt-self
 
 
 TINY_DATA = dict(batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
@@ -67,7 +76,8 @@ def continuations(target_dir: Path, prefixes: list[list[int]], new_tokens: int, 
                   batch_size: int, seed: int, log: Callable[[str], None]) -> Sequences:
     """Continue each prefix (token ids) by ``new_tokens`` of the target (specdec's own decoding, native
     backend where it runs), chunk c at temperature ``temperatures[c % len]``."""
-    from specdec.decode import GenerationConfig, generate_ids
+    from specdec.decode import GenerationConfig
+    from specdec.engine import generate_ids
     from specdec.drafters import NoDraft
     from specdec.sampling import SamplingConfig
     from specdec.backends.target import load_target
@@ -91,6 +101,13 @@ def continuations(target_dir: Path, prefixes: list[list[int]], new_tokens: int, 
                      torch.tensor([len(p) for p in prefixes], dtype=torch.long))
 
 
+def padded(rows: list[list[int]], prompt_len: list[int], pad: int) -> Sequences:
+    width = max(len(row) for row in rows)
+    return Sequences(torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long),
+                     torch.tensor([len(row) for row in rows], dtype=torch.long),
+                     torch.tensor(prompt_len, dtype=torch.long))
+
+
 def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
     """``make()`` once, stored atomically at ``path``."""
     if path.is_file():
@@ -106,12 +123,78 @@ def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
     return result
 
 
+SOURCES = ("auto", "corpus", "sharegpt", "sharegpt-self")
+
+
+def data_source(source: str, tokenizer) -> str:
+    """The data a target trains on: ``auto`` is the zoo's corpus for a target with the zoo's tokenizer
+    (its special tokens), ShareGPT text for every other."""
+    if source not in SOURCES:
+        raise data.DataError(f"unknown data source {source!r}; expected one of {', '.join(SOURCES)}")
+    if source != "auto":
+        return source
+    from specdec.zoo.tokenizer import SPECIAL_TOKENS
+
+    zoo = tokenizer is not None and all(token in tokenizer.get_vocab() for token in SPECIAL_TOKENS)
+    return "corpus" if zoo else "sharegpt"
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def opening_prompt_ids(tokenizer, split: str, count: int, max_len: int, seed: int) -> list[list[int]]:
+    """Chat-templated first user turns of ShareGPT's ``split`` of at most ``max_len`` tokens, ``count``
+    of them in an order fixed by ``seed``."""
+    from specdec.zoo.datasets import opening_prompts, sharegpt_conversations
+
+    prompts = opening_prompts(sharegpt_conversations(split))
+    order = torch.randperm(len(prompts), generator=data.step_generator(seed, 0, salt=13)).tolist()
+    chosen = []
+    for index in order:
+        ids = chat_ids(tokenizer, prompts[index]["messages"], True)
+        if len(ids) <= max_len:
+            chosen.append(ids)
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+def sharegpt_text(tokenizer, count: int, max_len: int, seed: int, pad: int) -> Sequences:
+    """``count`` train conversations that open with a user turn, whole and chat-templated, cut at
+    ``max_len`` tokens; generated tokens (the answers) start after the first user turn."""
+    from specdec.zoo.datasets import sharegpt_conversations
+
+    conversations = [c["messages"] for c in sharegpt_conversations("train")
+                     if c["messages"][0]["role"] == "user" and len(c["messages"]) >= 2]
+    order = torch.randperm(len(conversations), generator=data.step_generator(seed, 0, salt=17)).tolist()
+    rows, starts = [], []
+    for index in order:
+        messages = conversations[index]
+        start = len(chat_ids(tokenizer, messages[:1], True))
+        if start + 16 > max_len:
+            continue
+        rows.append(chat_ids(tokenizer, messages, False)[:max_len])
+        starts.append(start)
+        if len(rows) == count:
+            break
+    return padded(rows, starts, pad)
+
+
 def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_sequences: int, heldout_sequences: int,
                   prefix_len: int, generated_len: int, generation_batch: int, seed: int,
-                  log: Callable[[str], None]) -> tuple[Sequences, Sequences]:
-    """(train, held-out) continuation sets of the target, cached in ``cache_dir``."""
+                  log: Callable[[str], None], source: str = "auto") -> tuple[Sequences, Sequences]:
+    """(train, held-out) sequences of the target, cached in ``cache_dir``."""
+    from specdec.backends.hf import load_tokenizer
     from specdec.train.target import corpus_streams
 
+    tokenizer = load_tokenizer(target_dir)
+    source = data_source(source, tokenizer)
+    if source != "corpus":
+        return chat_training_data(target_dir, tokenizer, fingerprint, cache_dir, source, train_sequences,
+                                  heldout_sequences, prefix_len, generated_len, generation_batch, seed, log)
     train_stream, _ = corpus_streams(target_dir)
     key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
     generator = data.step_generator(seed, 0, salt=11)
@@ -122,6 +205,35 @@ def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_
 
 
 HELDOUT_NEW_TOKENS = 128
+
+
+def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir: Path, source: str, count: int,
+                       heldout: int, prefix_len: int, generated_len: int, generation_batch: int, seed: int,
+                       log: Callable[[str], None]) -> tuple[Sequences, Sequences]:
+    """ShareGPT's train split (``source``: its text, or the target's answers to its first user turns)
+    and greedy continuations of held-out first user turns."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise data.DataError(f"training on ShareGPT needs a tokenizer with a chat template; {target_dir} has none")
+    from specdec.backends.hf import load_config
+
+    pad = load_config(target_dir).pad_token_id
+    pad = pad if pad is not None else tokenizer.eos_token_id
+    key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
+    root = Path(cache_dir)
+    if source == "sharegpt":
+        train = cached_sequences(root / f"train-sharegpt-{key}-{count}.pt", lambda: sharegpt_text(
+            tokenizer, count, prefix_len + generated_len, seed, pad))
+    else:
+        train = cached_sequences(root / f"train-sharegpt-self-{key}-{count}.pt", lambda: continuations(
+            target_dir, opening_prompt_ids(tokenizer, "train", count, prefix_len, seed), generated_len, [0.0, 1.0],
+            generation_batch, seed, log))
+    held = cached_sequences(root / f"heldout-sharegpt-{fingerprint}-{prefix_len}-{heldout}-{HELDOUT_NEW_TOKENS}.pt",
+                            lambda: continuations(target_dir, opening_prompt_ids(tokenizer, "heldout", heldout,
+                                                                                prefix_len, seed + 1),
+                                                  HELDOUT_NEW_TOKENS, [0.0], generation_batch, seed + 1, log))
+    log(f"[data] {source}: {train.tokens.shape[0]} train sequences ({train.num_tokens:,} tokens), "
+        f"{held.tokens.shape[0]} held-out ({held.num_tokens:,} tokens)")
+    return train, held
 
 
 def heldout_prompts(target_dir: Path, count: int) -> list[list[int]]:
@@ -147,22 +259,129 @@ def heldout_data(target_dir: Path, fingerprint: str, cache_dir: Path, count: int
 
 
 class FrozenTarget:
-    """The target in transformers, float32, no gradients: features and logits of a batch."""
+    """The target in transformers, float32, no gradients: features and logits of a batch, read from a
+    ``FeatureCache`` when one holds the batch's sequences (looked up by their tokens: the result is a
+    function of them), else computed."""
 
-    def __init__(self, target_dir: Path):
+    def __init__(self, target_dir: Path, cache: FeatureCache | None = None):
         from specdec.train.distill import load_frozen_target
 
         self.model = load_frozen_target(target_dir)
         self.embed = self.model.get_input_embeddings().weight.detach()     # [V, H]
         self.head = self.model.get_output_embeddings().weight.detach()     # [V, H]
         self.num_layers = int(self.model.config.num_hidden_layers)
+        self.cache = cache
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...]):
         """(features [B, T, len(layers) * H] concatenated in order, logits [B, T, V])."""
+        found = self.cache.lookup(tokens, layers) if self.cache is not None else None
+        if found is not None:
+            features, final = found
+            return features, final @ self.head.t()
         out = self.model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         return features, out.logits.float()
+
+
+class FeatureCache:
+    """Hidden states of fixed sequence sets, computed once by a batched bfloat16 forward pass (the
+    fastest there is; training need not be shape-invariant) and kept on disk as bfloat16.
+
+    Each set is one file [N, T, len(layers), H] written chunk by chunk; ``<set>.done`` lists the
+    finished chunks (rewritten atomically after each), so a killed build resumes where it stopped;
+    ``<set>.tokens`` is a digest of the set's tokens, so a folder left by other sequences is computed
+    again, not read as if it held these. The final layer (normed, as transformers returns it) is always
+    kept: logits are one product with the head. Rows are found by their tokens."""
+
+    CHUNK_TOKENS = 8192
+
+    def __init__(self, folder: Path, sets: dict[str, Sequences], layers: tuple[int, ...], num_layers: int,
+                 hidden: int):
+        self.folder, self.sets, self.hidden = Path(folder), sets, hidden
+        self.layers = tuple(sorted(set(layers) | {num_layers}))
+        self.final = self.layers.index(num_layers)
+        self.arrays: dict[str, "np.memmap"] = {}
+        self.rows = {seqs.tokens[row].numpy().tobytes(): (name, row)
+                     for name, seqs in sets.items() for row in range(seqs.tokens.shape[0])}
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        tokens = self.sets[name].tokens
+        return (tokens.shape[0], tokens.shape[1], len(self.layers), self.hidden)
+
+    def size_bytes(self) -> int:
+        return sum(2 * int(np.prod(self._shape(name))) for name in self.sets)
+
+    def build(self, target_dir: Path, log: Callable[[str], None]) -> float:
+        """Compute what is missing; returns the seconds spent."""
+        import hashlib
+        import json
+        import time
+
+        from tqdm import tqdm
+
+        started = time.monotonic()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        model = None
+        for name, seqs in self.sets.items():
+            path, done_path = self.folder / f"{name}.bin", self.folder / f"{name}.done"
+            per_chunk = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
+            chunks = range(0, seqs.tokens.shape[0], per_chunk)
+            # The finished chunks are of the sequences whose digest <set>.tokens holds (none: an older cache).
+            tokens_path = self.folder / f"{name}.tokens"
+            digest = hashlib.sha256(str(tuple(seqs.tokens.shape)).encode() + seqs.tokens.numpy().tobytes()).hexdigest()
+            if tokens_path.is_file() and tokens_path.read_text() != digest:
+                done_path.unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+            write_text_atomic(tokens_path, digest)
+            done = set(json.loads(done_path.read_text())) if done_path.is_file() and path.is_file() else set()
+            todo = [start for start in chunks if start not in done]
+            if todo:
+                log(f"[features] {name}: {len(self.layers)} layers x {seqs.tokens.shape[0]} sequences x "
+                    f"{seqs.tokens.shape[1]} positions, {2 * np.prod(self._shape(name)) / 2**30:.2f} GiB "
+                    f"in {self.folder}; {len(todo)} of {len(chunks)} chunks to compute")
+            array = np.memmap(path, dtype=np.int16, mode="r+" if path.is_file() else "w+", shape=self._shape(name))
+            for start in tqdm(todo, desc=f"features {name}", unit="chunk", disable=not todo):
+                if model is None:
+                    model = load_fast_target(target_dir)
+                rows = torch.arange(start, min(start + per_chunk, seqs.tokens.shape[0]))
+                tokens, valid = seqs.batch(rows)
+                with torch.no_grad():
+                    out = model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True,
+                                logits_to_keep=1)
+                states = torch.stack([out.hidden_states[i] for i in self.layers], dim=2).to(torch.bfloat16)
+                array[start: start + len(rows)] = states.view(torch.int16).numpy()
+                array.flush()
+                done.add(start)
+                write_text_atomic(done_path, json.dumps(sorted(done)))
+            self.arrays[name] = np.memmap(path, dtype=np.int16, mode="r", shape=self._shape(name))
+        return time.monotonic() - started
+
+    def lookup(self, tokens: torch.Tensor, layers: tuple[int, ...]):
+        """(features [B, T, len(layers) * H], final normed state [B, T, H]) in float32, or None when a
+        row is not cached."""
+        found = [self.rows.get(row.numpy().tobytes()) for row in tokens]
+        if any(item is None for item in found) or any(layer not in self.layers for layer in layers):
+            return None
+        stacked = torch.stack([torch.from_numpy(np.array(self.arrays[name][row])) for name, row in found])
+        stacked = stacked.view(torch.bfloat16).float()                       # [B, T, L, H]
+        picked = [self.layers.index(layer) for layer in layers]
+        features = stacked[:, :, picked].flatten(2)
+        return features, stacked[:, :, self.final]
+
+
+def load_fast_target(target_dir: Path):
+    """The target in transformers, bfloat16, for computing features in bulk."""
+    from specdec.train.distill import load_frozen_target
+
+    return load_frozen_target(target_dir, dtype=torch.bfloat16)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
 
 
 def shifted(x: torch.Tensor, shift: int, length: int, fill=0) -> torch.Tensor:
@@ -226,23 +445,12 @@ def anchor_mask(valid: torch.Tensor, prompt_len, pairs: int, depth: int) -> torc
     return (index + 1 >= prompt_len) & (index + depth < lengths)
 
 
-def drafter_training(name: str, config_path: str | None, preset: str):
-    """(configuration, train function) of the drafter method ``name`` (medusa, eagle, eagle3, dflash):
-    its preset, or a JSON file over it; EAGLE's version follows the name."""
-    from dataclasses import replace
-
-    from specdec.train import dflash, eagle, medusa
-
-    module, train = {"medusa": (medusa, medusa.train_medusa), "dflash": (dflash, dflash.train_dflash)}.get(
-        name, (eagle, eagle.train_eagle))
-    config = module.load_config(config_path, preset)
-    if module is eagle:
-        config = replace(config, version=3 if name == "eagle3" else 1)
-    return config, train
-
-
 def warn_if_useless(metrics: dict[str, float], key: str, log: Callable[[str], None], what: str) -> bool:
-    """Say loudly when the predicted tau shows the drafter barely helps; returns whether it did."""
+    """Say loudly when the predicted tau shows the drafter barely helps; returns whether it did. Without
+    ``key`` (a run that measured fewer positions) the deepest chain it measured (``tau_k<j>``) decides."""
+    if key not in metrics:
+        measured = sorted((int(name[5:]), name) for name in metrics if name.startswith("tau_k") and name[5:].isdigit())
+        key = measured[-1][1] if measured else key
     tau = metrics.get(key)
     if tau is not None and tau < LOW_TAU:
         log(f"WARNING: {what} predicts tau {tau:.2f} on held-out data (below {LOW_TAU}): it will accept almost "
@@ -262,6 +470,30 @@ class DrafterRun:
     ckpt_dir: Path
     data_seconds: float
     log: Callable[[str], None]
+    target_dir: Path
+    source: str             # where the data came from (data_source)
+    feature_seconds: float = 0.0
+
+    def frozen(self, layers: tuple[int, ...]) -> FrozenTarget:
+        """The frozen target for an objective reading ``layers``: with a feature cache of the train and
+        held-out sets when the data are real (computed here on first use), computing on the fly for the zoo."""
+        cache = None
+        if self.source != "corpus":
+            config = self.target.config
+            key = f"{self.target.fingerprint()}-{self.source}-{self.train.tokens.shape[0]}x{self.train.tokens.shape[1]}"
+            layer_key = "-".join(str(i) for i in sorted(set(layers) | {self.target.num_layers}))
+            cache = FeatureCache(self.ckpt_dir / f"features-{key}-L{layer_key}", {"train": self.train, "heldout": self.held},
+                                 layers, self.target.num_layers, int(config.hidden_size))
+            self.feature_seconds = cache.build(self.target_dir, self.log)
+        return FrozenTarget(self.target_dir, cache)
+
+    def data_fields(self) -> dict:
+        """What every trainer's summary says of its data."""
+        return {"data_source": self.source, "data_minutes": round(self.data_seconds / 60, 2),
+                "feature_minutes": round(self.feature_seconds / 60, 2), "train_tokens": self.train.num_tokens,
+                "train_sequences": int(self.train.tokens.shape[0]), "heldout_tokens": self.held.num_tokens,
+                "features": ("computed once (bfloat16 forward), cached on disk" if self.source != "corpus"
+                             else "computed on the fly by the frozen target (nothing cached but token ids)")}
 
     def batch_fn(self, salt: int):
         """Batches of training sequences as a pure function of the step (resumable)."""
@@ -289,8 +521,9 @@ def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Pa
         config = config_from_dict(load_latest_checkpoint(ckpt_dir)["run_config"][kind])
     target = load_target(target_dir)
     started = time.monotonic()
+    source = data_source(config.source, target.tokenizer)
     train, held = training_data(Path(target_dir), target.fingerprint(), ckpt_dir,
                                 train_sequences=config.train_sequences, heldout_sequences=config.heldout_sequences,
                                 prefix_len=config.prefix_len, generated_len=config.generated_len,
-                                generation_batch=config.generation_batch, seed=config.seed, log=log)
-    return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log)
+                                generation_batch=config.generation_batch, seed=config.seed, log=log, source=source)
+    return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log, Path(target_dir), source)

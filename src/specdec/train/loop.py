@@ -47,6 +47,7 @@ class OptimConfig:
     eval_every: int = 200
     ckpt_every_steps: int = 200
     ckpt_every_minutes: float = 5.0
+    bfloat16: bool = False   # forward and backward under bfloat16 autocast (weights and optimizer stay float32)
 
 
 @dataclass
@@ -227,7 +228,8 @@ def run_loop(
                 break
             batch = batch_fn(step)
             t0 = time.monotonic()
-            loss = loss_fn(model, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bfloat16):
+                loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if config.grad_clip > 0:

@@ -167,13 +167,13 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     run = prepare_run("medusa", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
-    config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
+    config, target, held, log = run.config, run.target, run.held, run.log
     layer = target.num_layers
     shape = medusa.MedusaConfig(config.shape.heads, config.shape.layers, int(target.config.hidden_size),
                                 target.vocab_size, target=TargetRecord.of(target))
     torch.manual_seed(config.seed)
     net = medusa.MedusaHeads(shape)
-    frozen = FrozenTarget(target_dir)
+    frozen = run.frozen((layer,))
     net.init_from_head(frozen.head)
     heads = shape.medusa_num_heads
 
@@ -213,9 +213,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
     useless = warn_if_useless({"tau": tau}, "tau", log, "medusa")
     summary = {
         "kind": "medusa", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
-        "data_minutes": round(run.data_seconds / 60, 2), "train_tokens": train.num_tokens,
-        "heldout_tokens": held.num_tokens, "heldout_anchors": int(ranks.at_anchors.shape[0]),
-        "features": "computed on the fly by the frozen target (nothing cached but token ids)",
+        **run.data_fields(), "heldout_anchors": int(ranks.at_anchors.shape[0]),
         "offline": {**{k: round(v, 4) for k, v in final.items()}, "tau_default_tree": round(tau, 4)},
         "tree_sizes": sizes, "default_tree_nodes": len(choices), "low_acceptance_warning": useless,
         "config": config_to_dict(config),

