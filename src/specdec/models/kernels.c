@@ -15,8 +15,9 @@
  * - bfloat16 tensors are widened to float32 (exactly) on load and rounded to nearest even once,
  *   when a result is stored.
  *
- * The vector code (AVX2 + FMA) and the portable fallback perform the same operations, element
- * by element, so the results do not depend on which one was compiled.
+ * The vector code (AVX-512 where the compiler targets it, else AVX2 + FMA) and the portable
+ * fallback perform the same operations, element by element, so the results do not depend on
+ * which one was compiled: a wider register only holds more chains side by side.
  */
 
 #include <math.h>
@@ -46,6 +47,7 @@ static inline void v_store(float* p, v8 a) { _mm256_storeu_ps(p, a); }
 static inline v8 v_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
 static inline v8 v_mul(v8 a, v8 b) { return _mm256_mul_ps(a, b); }
 static inline v8 v_add(v8 a, v8 b) { return _mm256_add_ps(a, b); }
+static inline v8 v_div(v8 a, v8 b) { return _mm256_div_ps(a, b); }
 static inline v8 v_load_bf16(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -60,13 +62,13 @@ static inline void v_store(float* p, v8 a) { memcpy(p, a.l, 32); }
 static inline v8 v_fma(v8 a, v8 b, v8 c) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = fmaf(a.l[i], b.l[i], c.l[i]); return r; }
 static inline v8 v_mul(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] * b.l[i]; return r; }
 static inline v8 v_add(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] + b.l[i]; return r; }
+static inline v8 v_div(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] / b.l[i]; return r; }
 static inline v8 v_load_bf16(const uint16_t* p) {
     v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.l[i], &u, 4); } return r;
 }
 #define SD_VECTOR "portable"
 #endif
 
-const char* sd_vector(void) { return SD_VECTOR; }
 
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t to_bf16(float f) {
@@ -121,16 +123,187 @@ static inline float inverse_rms(const float* x, long n, float eps) {
  * Weights are packed once at load time into panels of NR columns, [panels][K][NR], the last
  * panel padded with zeros, in the model's dtype. A tile is R rows x P panels of accumulators.
  */
-/* The weight loads of one k step: 2 P vectors of 8 columns. */
-#define LOAD_F32(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR)
-#define LOAD_F32_HI(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR + 8)
-#define LOAD_BF16(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
-#define LOAD_BF16_HI(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR + 8)
 static inline v8 load_f16(const void* w, long at) {
     float f[8];
     for (int i = 0; i < 8; i++) f[i] = load1(w, at + i, F16);
     return v_load(f);
 }
+
+/* Eight consecutive elements of a tensor in its dtype, as float32 lanes, and back (rounded once). */
+static inline v8 load8(const void* p, long at, int dtype) {
+    if (dtype == F32) return v_load((const float*)p + at);
+    if (dtype == BF16) return v_load_bf16((const uint16_t*)p + at);
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = load1(p, at + i, dtype);
+    return v_load(f);
+}
+static inline void store8(void* p, long at, v8 v, int dtype) {
+    if (dtype == F32) { v_store((float*)p + at, v); return; }
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dtype == BF16) { /* to_bf16 on eight lanes: the same integer steps */
+        __m256i u = _mm256_castps_si256(v);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        __m256i h = _mm256_blendv_epi8(rounded, quiet, nan); /* eight values below 0x10000 */
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        _mm_storeu_si128((__m128i*)((uint16_t*)p + at), packed);
+        return;
+    }
+#endif
+    float f[8];
+    v_store(f, v);
+    for (int i = 0; i < 8; i++) store1(p, at + i, f[i], dtype);
+}
+
+/* What a product adds to its chains and where it stores them: the norm's scale, bias, residual. */
+struct linear_out {
+    const void *bias, *residual; void* y;
+    long N, ldr, ldy; int dtype; const float* scale;
+};
+
+/* Stores the finished chains of rows [m, m + R) x columns [col0, col0 + width), acc[r * ldacc + c]. */
+static void finish_tile(const struct linear_out* o, const float* acc, long ldacc, long m, int R, long col0,
+                        int width) {
+    int dtype = o->dtype;
+    for (int r = 0; r < R; r++) {
+        long row = m + r;
+        int c = 0;
+        /* Whole groups of 8 columns in vectors: the same IEEE operations in the same order as
+           the scalar tail below, so an element's bits do not depend on which path stored it. */
+        for (; c + 8 <= width && col0 + c + 8 <= o->N; c += 8) {
+            long col = col0 + c;
+            v8 v = v_load(acc + r * ldacc + c);
+            if (o->scale) v = v_mul(v, v_set1(o->scale[row]));
+            if (o->bias) v = v_add(v, load8(o->bias, col, dtype));
+            if (o->residual) v = v_add(v, load8(o->residual, row * o->ldr + col, dtype));
+            store8(o->y, row * o->ldy + col, v, dtype);
+        }
+        for (; c < width; c++) {
+            long col = col0 + c;
+            if (col >= o->N) break;
+            float v = acc[r * ldacc + c];
+            if (o->scale) v = v * o->scale[row];
+            if (o->bias) v = v + load1(o->bias, col, dtype);
+            if (o->residual) v = v + load1(o->residual, row * o->ldr + col, dtype);
+            store1(o->y, row * o->ldy + col, v, dtype);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* ---- AVX-512: a panel's k-row of 16 columns is one register ----------------------------------
+ * Rows come in blocks of at most 16, each block's inputs stored k-major ([K][R], so one step's
+ * broadcasts share a cache line); a tile of R rows x P panels keeps R x P chains in registers and
+ * reads each weight once per block, so up to 16 rows stream the weights once. The chains are the
+ * same fma(x[k], w[k], acc) over k = 0..K-1 as in the eight-lane code below, one lane per column,
+ * so both compute the same bits.
+ */
+#define SD_WIDE 1
+#define WIDE_ROWS 16        /* rows per block */
+#define WIDE_PREFETCH 4096  /* bytes ahead in each panel, into L2: the weights stream from memory */
+static inline __m512 wide_f32(const void* w, long at) { return _mm512_loadu_ps((const float*)w + at); }
+static inline __m512 wide_bf16(const void* w, long at) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + at)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 wide_f16(const void* w, long at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + at)));
+}
+#define WSIZE_f32 4
+#define WSIZE_bf16 2
+#define WSIZE_f16 2
+typedef void (*wide_fn)(const float* xt, long K, const void* wp, long pstride, float* acc_out);
+#define WIDE_TILE(R, P, NAME)                                                                      \
+static void wide_##NAME##_##R##_##P(const float* xt, long K, const void* wp, long pstride, float* acc_out) { \
+    __m512 acc[R][P];                                                                              \
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();      \
+    for (long k = 0; k < K; k++) {                                                                 \
+        __m512 w[P];                                                                               \
+        for (int p = 0; p < P; p++) w[p] = wide_##NAME(wp, p * pstride + k * NR);                  \
+        for (int p = 0; p < P; p++)                                                                \
+            _mm_prefetch((const char*)wp + (p * pstride + k * NR) * WSIZE_##NAME + WIDE_PREFETCH, _MM_HINT_T1); \
+        for (int r = 0; r < R; r++) {                                                              \
+            __m512 xv = _mm512_set1_ps(xt[k * R + r]);                                             \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);          \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++)                                        \
+        _mm512_storeu_ps(acc_out + r * 8 * NR + p * NR, acc[r][p]);                                \
+}
+/* Panels per tile for a block of R rows: R x P chains and P weights within the 32 registers, at
+ * least 8 chains in flight (15 or 16 rows: one panel, one weight load per 15 or 16 FMAs). Tried
+ * on a Zen 4 core (one 512-bit FMA a cycle) with SmolLM2-135M's matrices: fewer panels per tile
+ * for 1-8 rows (4 for 1-6) was as fast or slower. */
+static const int wide_panels[WIDE_ROWS + 1] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3, 2, 2, 2, 2, 2, 1, 1};
+#define WIDE_SHAPES(X, NAME)                                                                       \
+    X(1, 1, NAME) X(1, 2, NAME) X(1, 3, NAME) X(1, 4, NAME) X(1, 5, NAME) X(1, 6, NAME) X(1, 7, NAME) X(1, 8, NAME) \
+    X(2, 1, NAME) X(2, 2, NAME) X(2, 3, NAME) X(2, 4, NAME) X(2, 5, NAME) X(2, 6, NAME) X(2, 7, NAME) X(2, 8, NAME) \
+    X(3, 1, NAME) X(3, 2, NAME) X(3, 3, NAME) X(3, 4, NAME) X(3, 5, NAME) X(3, 6, NAME)                \
+    X(4, 1, NAME) X(4, 2, NAME) X(4, 3, NAME) X(4, 4, NAME) X(4, 5, NAME) X(4, 6, NAME)                \
+    X(5, 1, NAME) X(5, 2, NAME) X(5, 3, NAME) X(5, 4, NAME) X(5, 5, NAME)                              \
+    X(6, 1, NAME) X(6, 2, NAME) X(6, 3, NAME) X(6, 4, NAME)                                            \
+    X(7, 1, NAME) X(7, 2, NAME) X(7, 3, NAME) X(8, 1, NAME) X(8, 2, NAME) X(8, 3, NAME)               \
+    X(9, 1, NAME) X(9, 2, NAME) X(9, 3, NAME) X(10, 1, NAME) X(10, 2, NAME) X(11, 1, NAME) X(11, 2, NAME) \
+    X(12, 1, NAME) X(12, 2, NAME) X(13, 1, NAME) X(13, 2, NAME) X(14, 1, NAME) X(14, 2, NAME)         \
+    X(15, 1, NAME) X(16, 1, NAME)
+#define WIDE_ENTRY(R, P, NAME) [R][P] = wide_##NAME##_##R##_##P,
+#define WIDE_TABLE(NAME)                                                                           \
+    WIDE_SHAPES(WIDE_TILE, NAME)                                                                   \
+    static const wide_fn wide_tiles_##NAME[WIDE_ROWS + 1][9] = {WIDE_SHAPES(WIDE_ENTRY, NAME)};
+WIDE_TABLE(f32)
+WIDE_TABLE(bf16)
+WIDE_TABLE(f16)
+
+/* Rows in blocks of at most WIDE_ROWS, as even as can be: block b of `blocks` starts at row_start. */
+static inline long wide_blocks(long M) { return (M + WIDE_ROWS - 1) / WIDE_ROWS; }
+static inline long row_start(long M, long blocks, long b) { return M * b / blocks; }
+
+/* x [M, K] row-major -> xt, block by block, each block [K][R]. */
+static void pack_rows(const float* xf, long M, long K, float* xt) {
+    long blocks = wide_blocks(M);
+    for (long b = 0; b < blocks; b++) {
+        long m0 = row_start(M, blocks, b), R = row_start(M, blocks, b + 1) - m0;
+        float* block = xt + m0 * K;
+        for (long r = 0; r < R; r++)
+            for (long k = 0; k < K; k++) block[k * R + r] = xf[(m0 + r) * K + k];
+    }
+}
+
+static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
+                          long p0, long p1) {
+    float acc[WIDE_ROWS * 8 * NR];
+    long pstride = K * NR, blocks = wide_blocks(M);
+    size_t wsize = esize(o->dtype);
+    const wide_fn(*tiles)[9] = o->dtype == BF16 ? wide_tiles_bf16 : o->dtype == F16 ? wide_tiles_f16 : wide_tiles_f32;
+    /* Panels outer, row blocks inner: a group of panels (about 256 KiB) stays in L2 while every
+       block uses it; a single block takes the whole range at once. */
+    long group = blocks == 1 ? p1 - p0 : (long)(262144 / (pstride * wsize));
+    if (group < 8) group = 8;
+    for (long p = p0; p < p1; p += group) {
+        long end = p + group < p1 ? p + group : p1;
+        for (long b = 0; b < blocks; b++) {
+            long m0 = row_start(M, blocks, b);
+            int R = (int)(row_start(M, blocks, b + 1) - m0);
+            for (long q = p; q < end;) {
+                int P = wide_panels[R];
+                if (P > end - q) P = (int)(end - q);
+                tiles[R][P](xt + m0 * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                finish_tile(o, acc, 8 * NR, m0, R, q * NR, P * NR);
+                q += P;
+            }
+        }
+    }
+}
+#define SD_VECTOR_PRODUCTS "avx512"
+#else
+/* ---- eight lanes: a panel's k-row is two vectors --------------------------------------------- */
+#define LOAD_F32(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR)
+#define LOAD_F32_HI(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR + 8)
+#define LOAD_BF16(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
+#define LOAD_BF16_HI(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR + 8)
 #define LOAD_F16(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR)
 #define LOAD_F16_HI(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR + 8)
 
@@ -175,26 +348,11 @@ static tile_fn pick_tile(int R, int P, int dtype) {
     return dtype == BF16 ? pick_bf16(R, P) : dtype == F16 ? pick_f16(R, P) : pick_f32(R, P);
 }
 
-/* Eight consecutive elements of a tensor in its dtype, as float32 lanes, and back (rounded once). */
-static inline v8 load8(const void* p, long at, int dtype) {
-    if (dtype == F32) return v_load((const float*)p + at);
-    if (dtype == BF16) return v_load_bf16((const uint16_t*)p + at);
-    float f[8];
-    for (int i = 0; i < 8; i++) f[i] = load1(p, at + i, dtype);
-    return v_load(f);
-}
-static inline void store8(void* p, long at, v8 v, int dtype) {
-    if (dtype == F32) { v_store((float*)p + at, v); return; }
-    float f[8];
-    v_store(f, v);
-    for (int i = 0; i < 8; i++) store1(p, at + i, f[i], dtype);
-}
-
-static void linear_panels(long M, long K, const void* wp, long N, const void* bias, const void* residual, long ldr,
-                          void* y, long ldy, int dtype, const float* xf, const float* scale, long p0, long p1) {
+static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
+                          long p0, long p1) {
     float acc[6 * 6 * NR];
     long pstride = K * NR;
-    size_t wsize = esize(dtype);
+    size_t wsize = esize(o->dtype);
     /* Panels outer, rows inner: a group of panels stays in L1 while every row block uses it. */
     for (long p = p0; p < p1;) {
         int group = (int)(p1 - p < 6 ? p1 - p : 6);
@@ -203,30 +361,8 @@ static void linear_panels(long M, long K, const void* wp, long N, const void* bi
             for (long q = p; q < p + group;) {
                 int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
                 if (P > p + group - q) P = (int)(p + group - q);
-                pick_tile(R, P, dtype)(xf + m * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
-                for (int r = 0; r < R; r++) {
-                    long row = m + r;
-                    int c = 0;
-                    /* Whole groups of 8 columns in vectors: the same IEEE operations in the same order as
-                       the scalar tail below, so an element's bits do not depend on which path stored it. */
-                    for (; c + 8 <= P * NR && q * NR + c + 8 <= N; c += 8) {
-                        long col = q * NR + c;
-                        v8 v = v_load(acc + r * 6 * NR + c);
-                        if (scale) v = v_mul(v, v_set1(scale[row]));
-                        if (bias) v = v_add(v, load8(bias, col, dtype));
-                        if (residual) v = v_add(v, load8(residual, row * ldr + col, dtype));
-                        store8(y, row * ldy + col, v, dtype);
-                    }
-                    for (; c < P * NR; c++) {
-                        long col = q * NR + c;
-                        if (col >= N) break;
-                        float v = acc[r * 6 * NR + c];
-                        if (scale) v = v * scale[row];
-                        if (bias) v = v + load1(bias, col, dtype);
-                        if (residual) v = v + load1(residual, row * ldr + col, dtype);
-                        store1(y, row * ldy + col, v, dtype);
-                    }
-                }
+                pick_tile(R, P, o->dtype)(xf + m * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                finish_tile(o, acc, 6 * NR, m, R, q * NR, P * NR);
                 q += P;
             }
             m += R;
@@ -234,6 +370,10 @@ static void linear_panels(long M, long K, const void* wp, long N, const void* bi
         p += group;
     }
 }
+#define SD_VECTOR_PRODUCTS SD_VECTOR
+#endif
+
+const char* sd_vector(void) { return SD_VECTOR_PRODUCTS; }
 
 /* ---- a small thread pool: workers take column ranges, so each output keeps its one chain ---- */
 #include <pthread.h>
@@ -320,16 +460,14 @@ static void run_parallel(job_fn fn, void* arg, int parts) {
 }
 
 struct linear_job {
-    const void *wp, *bias, *residual; void* y;
-    long M, K, N, ldr, ldy; int dtype; const float *xf, *scale;  /* xf: x widened, [M, K] */
+    const void* wp; long M, K, N; const float* xs;  /* xs: x widened, in the layout linear_panels reads */
+    struct linear_out out;
 };
 static void linear_part(void* arg, int part, int parts) {
     struct linear_job* j = arg;
     long panels = (j->N + NR - 1) / NR;
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
-    if (p0 < p1)
-        linear_panels(j->M, j->K, j->wp, j->N, j->bias, j->residual, j->ldr, j->y, j->ldy, j->dtype, j->xf, j->scale,
-                      p0, p1);
+    if (p0 < p1) linear_panels(j->M, j->K, j->wp, &j->out, j->xs, p0, p1);
 }
 
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
@@ -339,15 +477,24 @@ void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
 
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
               const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
-    float* xf = malloc(sizeof(float) * (size_t)(M * K + M + 1));
+#if defined(SD_WIDE)
+    size_t copies = 2;  /* row-major for the norm, then packed by row blocks */
+#else
+    size_t copies = 1;
+#endif
+    float* xf = malloc(sizeof(float) * (size_t)(copies * M * K + M + 1));
     if (!xf) return 1;
-    float* scale = NULL;
+    float *scale = NULL, *xs = xf;
     for (long m = 0; m < M; m++) widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
     if (norm_eps >= 0) {
-        scale = xf + M * K;
+        scale = xf + copies * M * K;
         for (long m = 0; m < M; m++) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
     }
-    struct linear_job job = {wp, bias, residual, y, M, K, N, ldr, ldy, dtype, xf, scale};
+#if defined(SD_WIDE)
+    xs = xf + M * K;
+    pack_rows(xf, M, K, xs);
+#endif
+    struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}};
     long panels = (N + NR - 1) / NR;
     int parts = M * K * N >= parallel_threshold ? active_threads : 1;
     if (parts > panels) parts = (int)panels;
@@ -402,12 +549,28 @@ void sd_rope(void* x, long rows, long heads, long D, long ld_row, const float* t
 
 /* ---- silu(gate) * up: gate_up [M, 2I] (gate first) -> out [M, I] ---------------------------- */
 void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
-    for (long m = 0; m < M; m++)
-        for (long i = 0; i < I; i++) {
+    for (long m = 0; m < M; m++) {
+        long i = 0;
+        /* Eight at a time, the same operations as the scalar tail (expf stays libm's, one by one). */
+        for (; i + 8 <= I; i += 8) {
+            v8 g = load8(gate_up, m * ld_in + i, dtype), u = load8(gate_up, m * ld_in + I + i, dtype);
+            float lane[8], e[8];
+            v_store(lane, g);
+            for (int c = 0; c < 8; c++) e[c] = expf(-lane[c]);
+            v8 silu = v_div(g, v_add(v_set1(1.0f), v_load(e)));
+            if (dtype != F32) { /* as the model would store it */
+                float narrow[8]; /* room for eight of any dtype */
+                store8(narrow, 0, silu, dtype);
+                silu = load8(narrow, 0, dtype);
+            }
+            store8(out, m * ld_out + i, v_mul(silu, u), dtype);
+        }
+        for (; i < I; i++) {
             float g = load1(gate_up, m * ld_in + i, dtype), u = load1(gate_up, m * ld_in + I + i, dtype);
             float silu = stored(g / (1.0f + expf(-g)), dtype); /* as the model would store it */
             store1(out, m * ld_out + i, silu * u, dtype);
         }
+    }
 }
 
 /* ---- attention over the cache --------------------------------------------------------------
@@ -458,16 +621,61 @@ static inline v8 load_key(const void* key, long d, int dtype) {
                                                                         : load_f16(key, d);
 }
 
-/* Scores of one query row against eight consecutive keys, the same numbers dot_key gives (D % 8 == 0). */
-static inline v8 dot_8_keys(const float* q, const char* keys, long D, size_t row_bytes, int dtype) {
-    v8 acc[8];
-    for (int c = 0; c < 8; c++) acc[c] = v_zero();
-    for (long d = 0; d < D; d += 8) {
-        v8 qv = v_load(q + d);
-        for (int c = 0; c < 8; c++) acc[c] = v_fma(qv, load_key(keys + c * row_bytes, d, dtype), acc[c]);
-    }
-    return tree_sums(acc);
+/* Scores of R query rows (float32 rows of D) against eight consecutive keys (float32 rows of D):
+ * out[r * ldo + c] = scale * what dot_key gives (D % 8 == 0). Rows only share the key loads. */
+#define SCORE_TILE(R)                                                                              \
+static void score_tile_##R(const float* q, const float* keys, long D, float scale, float* out, long ldo) { \
+    v8 acc[R][8];                                                                                  \
+    for (int r = 0; r < R; r++) for (int c = 0; c < 8; c++) acc[r][c] = v_zero();                \
+    for (long d = 0; d < D; d += 8) {                                                              \
+        v8 qv[R];                                                                                  \
+        for (int r = 0; r < R; r++) qv[r] = v_load(q + r * D + d);                                \
+        for (int c = 0; c < 8; c++) {                                                              \
+            v8 kv = v_load(keys + c * D + d);                                                      \
+            for (int r = 0; r < R; r++) acc[r][c] = v_fma(qv[r], kv, acc[r][c]);                   \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) {                                                                  \
+        float s8[8];                                                                               \
+        v_store(s8, tree_sums(acc[r]));                                                            \
+        for (int c = 0; c < 8; c++) out[r * ldo + c] = s8[c] * scale;                              \
+    }                                                                                              \
 }
+SCORE_TILE(1)
+#if defined(SD_WIDE)
+SCORE_TILE(3) /* 24 chains: needs AVX-512's 32 registers */
+#define SCORE_ROWS 3
+#else
+#define SCORE_ROWS 1
+#endif
+
+#if defined(SD_WIDE)
+/* Attention outputs of R rows x 16 C columns: acc[r, d] = fma(p[r, t], v[t, d], acc) over t in order,
+ * the chain the eight-lane loops below compute. v: the head's values (element t * D + d). */
+typedef void (*value_fn)(const float* p, long T, const void* v, long D, long d, float* out, long ldo);
+#define VALUE_TILE(R, C, NAME)                                                                     \
+static void value_##NAME##_##R##_##C(const float* p, long T, const void* v, long D, long d, float* out, long ldo) { \
+    __m512 acc[R][C];                                                                              \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();      \
+    for (long t = 0; t < T; t++) {                                                                 \
+        __m512 w[C];                                                                               \
+        for (int c = 0; c < C; c++) w[c] = wide_##NAME(v, t * D + d + 16 * c);                     \
+        for (int r = 0; r < R; r++) {                                                              \
+            __m512 pv = _mm512_set1_ps(p[r * T + t]);                                              \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(pv, w[c], acc[r][c]);          \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) _mm512_storeu_ps(out + r * ldo + 16 * c, acc[r][c]); \
+}
+#define VALUE_SHAPES(X, NAME) X(1, 1, NAME) X(2, 1, NAME) X(3, 1, NAME) X(4, 1, NAME) X(5, 1, NAME) X(6, 1, NAME) \
+    X(1, 4, NAME) X(2, 4, NAME) X(3, 4, NAME) X(4, 4, NAME) X(5, 4, NAME) X(6, 4, NAME)
+#define VALUE_ENTRY(R, C, NAME) [R][C] = value_##NAME##_##R##_##C,
+#define VALUE_TABLE(NAME) VALUE_SHAPES(VALUE_TILE, NAME) \
+    static const value_fn value_tiles_##NAME[7][5] = {VALUE_SHAPES(VALUE_ENTRY, NAME)};
+VALUE_TABLE(f32)
+VALUE_TABLE(bf16)
+VALUE_TABLE(f16)
+#endif
 
 static void attention_one(const struct attention_job* j, long b, long kvh, float* work) {
     long g = j->heads / j->kv, rows = j->n * g, D = j->D, T = j->T;
@@ -477,6 +685,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     float* acc = score + rows * T;     /* [rows, D] */
     float* vrow = acc + rows * D;      /* [D] */
     float* total = vrow + D;           /* [rows] */
+    float* kwide = total + rows;       /* [T, D]: the keys in float32 when they are stored narrower */
     size_t es = esize(dtype);
     for (long i = 0; i < j->n; i++)
         for (long jj = 0; jj < g; jj++) {
@@ -486,18 +695,25 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
+    const float* keys = (const float*)kbase;
+    if (dtype != F32) {
+        for (long t = 0; t < T; t++) widen(kbase + t * D * es, D, dtype, kwide + t * D);
+        keys = kwide;
+    }
     /* Scores of the columns each row sees; the softmax over them in column order. */
     long t8 = D % 8 == 0 ? T / 8 * 8 : 0;  /* keys scored eight at a time */
-    for (long t = 0; t < t8; t += 8)
-        for (long r = 0; r < rows; r++) {
-            float s8[8];
-            v_store(s8, dot_8_keys(qf + r * D, kbase + t * D * es, D, D * es, dtype));
-            for (int c = 0; c < 8; c++) score[r * T + t + c] = s8[c] * j->scale;
-        }
+    for (long t = 0; t < t8; t += 8) {
+        long r = 0;
+#if SCORE_ROWS > 1
+        for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
+            score_tile_3(qf + r * D, keys + t * D, D, j->scale, score + r * T + t, T);
+#endif
+        for (; r < rows; r++) score_tile_1(qf + r * D, keys + t * D, D, j->scale, score + r * T + t, T);
+    }
     for (long t = t8; t < T; t++) {
-        const void* key = kbase + t * D * es;
+        const float* key = keys + t * D;
         for (long r = 0; r < rows; r++)
-            if (!vis || vis[(r / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, dtype) * j->scale;
+            if (!vis || vis[(r / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, F32) * j->scale;
     }
     for (long r = 0; r < rows; r++) {
         const uint8_t* seen = vis ? vis + (r / g) * T : NULL;
@@ -515,6 +731,19 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
      * does not see has p = 0, and fma(0, v, acc) == acc, so every column can run through. */
     size_t vbytes = D * es;
     long r = 0;
+#if defined(SD_WIDE)
+    if (D % 16 == 0) {
+        const value_fn(*tiles)[5] = dtype == BF16 ? value_tiles_bf16 : dtype == F16 ? value_tiles_f16 : value_tiles_f32;
+        for (; r < rows; r += 6) {
+            int R = rows - r < 6 ? (int)(rows - r) : 6;
+            for (long d = 0; d < D;) {
+                int C = D - d >= 64 ? 4 : 1;
+                tiles[R][C](score + r * T, T, vbase, D, d, acc + r * D + d, D);
+                d += 16 * C;
+            }
+        }
+    }
+#endif
     for (; r + 4 <= rows; r += 4) {
         const float* p = score + r * T;
         long d = 0;
@@ -564,7 +793,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
 
 static size_t attention_work(const struct attention_job* j) {
     long rows = j->n * (j->heads / j->kv);
-    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + 8);
+    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + j->T * j->D + 8);
 }
 
 static void attention_part(void* arg, int part, int parts) {

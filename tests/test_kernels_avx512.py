@@ -1,0 +1,117 @@
+"""The AVX-512 kernels compute the same bits as the eight-lane (AVX2) and the portable builds.
+
+kernels.c's wide path keeps every output's chain of operations (one FMA chain over k per product
+element, the same lane tree per attention score) and only chooses which register holds it, so the
+three builds must agree element for element on every shape: rows 1..17 and 64 (one block, two
+blocks, several groups of panels), odd column counts (a padded last panel), K not a multiple of 16.
+The builds are loaded side by side (each is its own shared library) and swapped into
+``kernels._library``; the AVX2 one is this machine's native build with ``-mno-avx512f``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import kernels
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDS = ["fp32", "bf16", "fp16"]
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """name -> library: the native build and every other one this machine can run."""
+    if kernels.available() is not None:
+        pytest.skip(kernels.available())
+    native = kernels.library()
+    libraries = {native.sd_vector().decode(): native}
+    portable = kernels.load_library(kernels.build(native=False))
+    libraries.setdefault(portable.sd_vector().decode(), portable)
+    if "avx512" in libraries:
+        saved = kernels.NATIVE_FLAGS
+        kernels.NATIVE_FLAGS = [*saved, "-mno-avx512f"]
+        try:
+            eight = kernels.load_library(kernels.build())
+        finally:
+            kernels.NATIVE_FLAGS = saved
+        libraries.setdefault(eight.sd_vector().decode(), eight)
+    if "avx512" not in libraries:
+        pytest.skip("this machine's native build has no AVX-512 path")
+    return libraries
+
+
+def each_build(builds, monkeypatch, compute, threads=1):
+    """compute() under each build: {name: result}."""
+    results = {}
+    for name, library in builds.items():
+        monkeypatch.setattr(kernels, "_library", library)
+        library.sd_set_threads(threads)
+        library.sd_set_parallel_threshold(1 if threads > 1 else 1 << 22)
+        try:
+            results[name] = compute()
+        finally:
+            library.sd_set_threads(torch.get_num_threads())
+            library.sd_set_parallel_threshold(1 << 22)
+    monkeypatch.undo()
+    return results
+
+
+def assert_same(results):
+    first, *rest = results
+    for name in rest:
+        for a, b in zip(results[first], results[name]):
+            assert torch.equal(a, b), (first, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_products_match_across_builds(builds, monkeypatch, dtype):
+    if dtype == torch.float16 and not all(lib.sd_has_half() for lib in builds.values()):
+        pytest.skip("a build without float16")
+    generator = torch.Generator().manual_seed(11)
+    cases = [(k, n) for k in (37, 200) for n in (45, 163)] + [(1000, 325)]  # 1000: groups of 8 panels
+    for K, N in cases:
+        w = kernels.Matrix.pack(torch.randn(K, N, generator=generator).to(dtype))
+        bias = torch.randn(N, generator=generator).to(dtype)
+        for M in [*range(1, 18), 64]:
+            if K == 1000 and M not in (1, 5, 16, 17, 64):
+                continue
+            x = torch.randn(M, K, generator=generator).to(dtype)
+            residual = torch.randn(M, N, generator=generator).to(dtype)
+
+            def compute():
+                return (kernels.linear(x, w), kernels.linear(x, w, bias=bias, residual=residual, norm_eps=1e-5))
+
+            assert_same(each_build(builds, monkeypatch, compute))
+            if M in (5, 17, 64):  # panels split between two threads
+                assert_same(each_build(builds, monkeypatch, compute, threads=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_attention_matches_across_builds(builds, monkeypatch, dtype):
+    if dtype == torch.float16 and not all(lib.sd_has_half() for lib in builds.values()):
+        pytest.skip("a build without float16")
+    generator = torch.Generator().manual_seed(12)
+    for dim in (64, 48, 40, 20):  # wide tiles of 4 and 1 registers, eight lanes only, a lane tail
+        for n, heads, kv, columns in ((1, 3, 1, 13), (5, 4, 2, 29), (7, 6, 2, 40)):
+            q = torch.randn(2, n, heads, dim, generator=generator).to(dtype)
+            cache = torch.randn(2, 2, kv, columns + 3, dim, generator=generator).to(dtype)
+            keys, values = cache[0, :, :, :columns], cache[1, :, :, :columns]
+            visible = torch.rand(2, n, columns, generator=generator) < 0.7
+            visible[:, :, 0] = True
+
+            def compute():
+                out = torch.empty(2, n, heads * dim, dtype=dtype)
+                return (kernels.attention(q, keys, values, visible, out, dim ** -0.5),)
+
+            assert_same(each_build(builds, monkeypatch, compute))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_mul_matches_across_builds(builds, monkeypatch, dtype):
+    if dtype == torch.float16 and not all(lib.sd_has_half() for lib in builds.values()):
+        pytest.skip("a build without float16")
+    generator = torch.Generator().manual_seed(13)
+    for rows, inner in ((1, 8), (3, 37), (16, 96)):  # vector steps of eight and a scalar tail
+        gate_up = (torch.randn(rows, 2 * inner, generator=generator) * 6).to(dtype)
+        assert_same(each_build(builds, monkeypatch, lambda: (kernels.silu_mul(gate_up),)))
