@@ -59,3 +59,31 @@ def test_trained_pair_is_lossless_and_accepts_drafts(zoo):
         out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=32)
         assert out.token_ids == reference, drafter.name
         assert out.stats.mean_accepted_length > 1.3, "a trained draft / real code must get drafts accepted"
+
+
+def test_bench_records_the_fastest_setting_and_the_drafter_uses_it(tmp_path, capsys, zoo):
+    import shutil
+
+    from specdec.drafters import Eagle
+
+    folder = tmp_path / "eagle3"
+    shutil.copytree(zoo_path("eagle3"), folder)
+    code = main(["bench", "--target", str(zoo_path("target")), "--tasks", "code-completion", "copy-edit",
+                 "--num-prompts", "1", "-k", "2", "4", "--trees", "3/2/4", "--max-new-tokens", "12", "--no-transformers",
+                 "--drafters", f"eagle3={folder}", "--record", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["prompts"] == 2 and result["cpu"]
+    rows = [r for r in result["rows"] if r["family"] == "eagle3"]
+    best = max(rows, key=lambda r: r["speedup_vs_plain"])
+    recorded = json.loads((folder / "config.json").read_text())["specdec"]["defaults"]
+    assert (recorded["num_draft_tokens"], recorded["tree"]) == (best["k"], best["tree"])
+    drafter = Eagle(folder)
+    assert drafter.default_draft_tokens == best["k"]
+    assert (drafter.default_tree is None) == (best["tree"] is None)
+    # a generation that asks for neither k nor a tree runs the recorded setting, still exact
+    target, _ = zoo
+    prompts = target.encode(load_tasks("code-completion")[:2])
+    plain = specdec.generate(target, prompts, max_new_tokens=16)
+    out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=16)
+    assert out.token_ids == plain.token_ids
+    assert Eagle(zoo_path("eagle3")).default_tree is None  # the committed zoo folder records nothing

@@ -1,0 +1,15 @@
+#!/bin/bash
+# The measurements of docs/real-target.md (issue 22): the real target, SmolLM2-135M-Instruct, with the
+# drafters trained for it, on held-out ShareGPT and HumanEval prompts. Run from the repository root with
+# the virtual environment active, on an otherwise idle machine; the first command fetches and builds
+# the target (once).
+set -e
+OUT=docs/measurements
+echo "== training EAGLE-3 (ShareGPT text, the target's distributions as labels; features cached once)"
+specdec train eagle3 --target smollm2-135m --out runs/smollm2-eagle3/out --ckpt-dir runs/smollm2-eagle3/ckpt \
+  --preset eagle3-sharegpt --steps 300 --threads 2
+echo "== batch 1, float32, 2 threads: every method interleaved, EAGLE-3's fastest setting recorded in its folder"
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 3 5 --trees 4/2/6 --drafters eagle3 --record --threads 2 --output $OUT/real-bench-float32.json
+echo "== the demo"
+time specdec demo
