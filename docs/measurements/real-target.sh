@@ -7,9 +7,14 @@ set -e
 OUT=docs/measurements
 echo "== training EAGLE-3 (ShareGPT text, the target's distributions as labels; features cached once)"
 specdec train eagle3 --target smollm2-135m --out runs/smollm2-eagle3/out --ckpt-dir runs/smollm2-eagle3/ckpt \
-  --preset eagle3-sharegpt --steps 300 --threads 2
+  --preset eagle3-sharegpt --steps 300 --threads 2   # stopped at step 165 (kill), then exported with:
+specdec train eagle3 --target smollm2-135m --out runs/smollm2-eagle3/out --ckpt-dir runs/smollm2-eagle3/ckpt \
+  --resume --max-minutes 0 --threads 2
+echo "== the same on the target's own answers (stopped at step 80 the same way)"
+specdec train eagle3 --target smollm2-135m --out runs/smollm2-eagle3-self/out --ckpt-dir runs/smollm2-eagle3-self/ckpt \
+  --preset eagle3-sharegpt-self --threads 2
 echo "== batch 1, float32, 2 threads: every method interleaved, EAGLE-3's fastest setting recorded in its folder"
-specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
-  -k 3 5 --trees 4/2/6 --drafters eagle3 --record --threads 2 --output $OUT/real-bench-float32.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --drafters eagle3 --record --threads 2 --output $OUT/real-bench-float32.json
 echo "== the demo"
 time specdec demo

@@ -87,11 +87,18 @@ SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni
 
 def cpu_summary() -> str:
     """The CPU's model name and the vector flags that decide its speed, for every speed figure."""
-    text = cpu_fingerprint()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                platform.processor() or platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return f"{name} ({' '.join(f for f in SPEED_FLAGS if f in flags) or 'no AVX2'})"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", platform.machine())
+    family = f"family {fields['cpu family']} model {fields['model']}; " if "cpu family" in fields else ""
+    flags = set(fields.get("flags", "").split())
+    return f"{name} ({family}{' '.join(f for f in SPEED_FLAGS if f in flags) or 'no AVX2'})"
 
 
 def build(native: bool = True) -> Path:

