@@ -24,18 +24,9 @@ def builds():
     """name -> library: the native build and every other one this machine can run."""
     if kernels.available() is not None:
         pytest.skip(kernels.available())
-    native = kernels.library()
-    libraries = {native.sd_vector().decode(): native}
-    portable = kernels.load_library(kernels.build(native=False))
-    libraries.setdefault(portable.sd_vector().decode(), portable)
-    if "avx512" in libraries:
-        saved = kernels.NATIVE_FLAGS
-        kernels.NATIVE_FLAGS = [*saved, "-mno-avx512f"]
-        try:
-            eight = kernels.load_library(kernels.build())
-        finally:
-            kernels.NATIVE_FLAGS = saved
-        libraries.setdefault(eight.sd_vector().decode(), eight)
+    libraries = {}
+    for library in kernels.builds():
+        libraries.setdefault(library.sd_vector().decode(), library)
     if "avx512" not in libraries:
         pytest.skip("this machine's native build has no AVX-512 path")
     return libraries

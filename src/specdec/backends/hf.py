@@ -28,7 +28,7 @@ from specdec.errors import CacheRollbackError, ModelLoadError, UnsupportedModelE
 # Tried in this order; the first that loads runs (stats report which).
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+                 "pytorch_model.bin.index.json", "model.gguf")
 
 
 @contextlib.contextmanager
@@ -53,12 +53,32 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     for implementation in ATTENTION_IMPLEMENTATIONS:
         try:
             with quiet():
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                             attn_implementation=implementation)
+                if not any((path / name).is_file() for name in _WEIGHT_FILES[:-1]):
+                    model = gguf_causal_lm(path, dtype, implementation)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                                 attn_implementation=implementation)
             return model.to(device).eval()
         except Exception as exc:  # transformers raises many kinds; the user needs one line
             failure = failure or first_line(exc)
     raise ModelLoadError(f"cannot load causal LM from {path}: {failure}")
+
+
+def gguf_causal_lm(path: Path, dtype: torch.dtype, implementation: str) -> torch.nn.Module:
+    """The transformers model of a folder whose weights are a GGUF file, its tensors dequantized by
+    specdec's reader (exact for Q8_0, Q4_0 and Q4_1)."""
+    from specdec.models.gguf import GGUF_WEIGHTS, GGUFFile
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config._attn_implementation = implementation
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = GGUFFile(path / GGUF_WEIGHTS).tensors()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path / GGUF_WEIGHTS}: tensors missing {missing[:3]} or unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return model.to(dtype)
 
 
 def check_model_dir(path: str | os.PathLike) -> Path:

@@ -296,7 +296,7 @@ class NativeBackend:
                 return str(exc)
             path = os.fspath(path_or_config)
             safetensors = any(os.path.isfile(os.path.join(path, name))
-                              for name in ("model.safetensors", "model.safetensors.index.json"))
+                              for name in ("model.safetensors", "model.safetensors.index.json", "model.gguf"))
             return llama.unsupported(config) or (
                 None if safetensors else "no safetensors weights (the native backend reads no pickle files)")
         return llama.unsupported(path_or_config)
@@ -305,6 +305,13 @@ class NativeBackend:
     def supports_run(dtype: torch.dtype, device) -> str | None:
         """None when the kernels run this dtype on this device here, else the reason."""
         return llama.unsupported_run(dtype, device)
+
+    @property
+    def quantized_types(self) -> tuple[str, ...]:
+        """The block-quantized types its matrices run in (a GGUF file's Q8_0, Q4_0, Q4_1), if any."""
+        model = self.model
+        matrices = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return tuple(sorted({m.qtype for m in [*matrices, model.head] if isinstance(m, llama.QMatrix)}))
 
     @property
     def exact_numerics(self) -> bool:

@@ -208,6 +208,10 @@ def resolve_model(path: str | os.PathLike) -> str | os.PathLike:
     from specdec.zoo import REAL_MODELS, zoo_path
 
     name = str(path)
+    if name.endswith(".gguf") and os.path.isfile(name):  # a GGUF file: a folder of its metadata linking it
+        from specdec.models.gguf import gguf_folder
+
+        return gguf_folder(name)
     if not os.path.exists(name) and (name in REAL_MODELS or name.partition("/")[0] in REAL_MODELS):
         return zoo_path(name)
     return path

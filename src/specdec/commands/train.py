@@ -101,7 +101,7 @@ def cmd_train_drafter(args) -> int:
     from specdec.backends.target import resolve_model
 
     summary = train(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                    max_minutes=args.max_minutes)
+                    max_minutes=args.max_minutes, data_dir=args.data_dir)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
 
@@ -248,6 +248,9 @@ def add_commands(subparsers) -> None:
         p = train_sub.add_parser(name, help=f"train {text}")
         _common_run_options(p)
         p.add_argument("--target", required=True, type=Path, help="exported target model folder")
+        p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                       help="folder of the token ids and cached target features (default: the checkpoint folder); "
+                            "runs on the same data share it, and a cache with more layers serves")
         p.set_defaults(func=cmd_train_drafter)
         if name == "dflash":
             p.add_argument("--init-from", type=Path, default=None, metavar="DIR",

@@ -159,6 +159,15 @@ def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _write_folder(model: GGUFFile, gguf_path: Path, work: Path, config: dict) -> None:
+    """Tokenizer, generation config and config.json of a folder built from ``gguf_path``."""
+    save_tokenizer(gguf_path, work)
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if config[key] is not None}
+    (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def build_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
                  extra: dict | None = None) -> Path:
     """A model folder (config, tokenizer, generation config, safetensors in ``dtype``) from a GGUF file,
@@ -176,9 +185,60 @@ def build_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     with replaced_dir(out_dir) as work:
         tensors = {name: value.to(dtype).contiguous() for name, value in model.tensors().items()}
         save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
-        save_tokenizer(gguf_path, work)
-        generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-                      if config[key] is not None}
-        (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_folder(model, gguf_path, work, config)
     return out_dir
+
+
+GGUF_WEIGHTS = "model.gguf"
+
+
+def link_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
+    """A model folder whose weights are the GGUF file itself (``model.gguf``, a link to it): config,
+    tokenizer and generation config from its metadata. The native backend runs its quantized
+    tensors as they are (``llama.load_gguf``); transformers dequantizes them. Written atomically."""
+    from specdec.models.files import replaced_dir
+
+    gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
+    model = GGUFFile(gguf_path)
+    config = model.config()
+    config["specdec_source"] = {"gguf": str(gguf_path), "tensor_types": sorted(set(model.tensor_types().values())),
+                                "weights": "quantized, as stored", **(extra or {})}
+    with replaced_dir(out_dir) as work:
+        os.symlink(gguf_path, work / GGUF_WEIGHTS)
+        _write_folder(model, gguf_path, work, config)
+    return out_dir
+
+
+def gguf_folder(gguf_path: str | os.PathLike) -> Path:
+    """The folder ``link_folder`` makes for a GGUF file, in specdec's cache (made once per file: its
+    path, size and modification time name it)."""
+    import hashlib
+
+    from specdec.models.kernels import cache_dir, writable
+
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"{gguf_path}: no such GGUF file")
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = writable(cache_dir()) / "gguf" / f"{gguf_path.stem}-{key}"
+    if not (folder / "config.json").is_file():
+        link_folder(gguf_path, folder)
+    return folder
+
+
+def raw_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray, tuple[int, ...]]]:
+    """GGUF tensor name -> (type name, its bytes or values as stored, shape [out, in] or [n])."""
+    reader = GGUFFile(path).reader
+    return {t.name: (t.tensor_type.name, t.data, tuple(int(d) for d in reversed(t.shape.tolist())))
+            for t in reader.tensors}
+
+
+def dequantized(kind: str, data: np.ndarray, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    """A stored tensor as float32 of ``shape``; a type gguf cannot read is one line naming it."""
+    gguf = _gguf()
+    try:
+        values = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
+    except (NotImplementedError, ValueError, AttributeError) as error:
+        raise UnsupportedModelError(f"{where}: tensor type {kind} cannot be read ({error})") from None
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)

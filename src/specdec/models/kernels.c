@@ -503,6 +503,260 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
     return 0;
 }
 
+/* ---- quantized weights: GGUF's Q8_0, Q4_0 and Q4_1, run with int8 activations ----------------
+ * A weight block is 32 consecutive inputs of one output column: codes c (Q8_0: c = q + 128 of the
+ * int8 q; Q4_0 and Q4_1: the 4-bit q) and float16 scales, w = d (c - z) (+ m for Q4_1), z = 128, 8, 0.
+ * An input row is quantized per block of 32 (after the norm's weight, when given, multiplies it):
+ * s = max |x| / 127, a = nearest(x / s) in [-127, 127] (llama.cpp's Q8 activations, the scale in
+ * float32), A = the block's sum of a. Then each block adds to the column's chain
+ *
+ *     acc = fma(d * s, (float)(sum c a - z A), acc)       (Q4_1 also: acc = fma(m * s, (float)A, acc))
+ *
+ * in block order, in float32. The integer sum is exact in any order and any width, so the vector
+ * paths (AVX-512 VNNI, AVX2) and the portable loop give the same bits, and a row's result does not
+ * depend on the other rows of the call.
+ *
+ * Packed (kernels.py, QMatrix): panels of 16 columns, each [blocks][...] contiguous. One block of a
+ * panel: d[16] float16, (Q4_1: m[16] float16), then the codes in 4-input groups, 16 columns x 4
+ * bytes per group, so one 32-bit broadcast of 4 activations meets 16 columns: Q8_0: 8 groups (512
+ * bytes); Q4: 256 bytes, byte (v, column j, t) holding input 4v + t in its low nibble and 16 + 4v + t
+ * in its high one. */
+#define Q8_0 3
+#define Q4_0 4
+#define Q4_1 5
+static long qblock_bytes(int wtype) { return wtype == Q8_0 ? 32 + 512 : wtype == Q4_1 ? 64 + 256 : 32 + 256; }
+static int qzero(int wtype) { return wtype == Q8_0 ? 128 : wtype == Q4_0 ? 8 : 0; }
+long sd_qblock_bytes(int wtype) { return wtype == Q8_0 || wtype == Q4_0 || wtype == Q4_1 ? qblock_bytes(wtype) : 0; }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000 | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f; memcpy(&f, &u, 4); return f;
+}
+
+/* One row: x [K] (times gain) -> a [K] int8, s [K/32] float, A [K/32] int32. */
+static void quantize_row(const float* x, const float* gain, long K, int8_t* a, float* s, int32_t* A) {
+    for (long b = 0; b < K / 32; b++) {
+        float v[32], amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = gain ? x[b * 32 + i] * gain[b * 32 + i] : x[b * 32 + i];
+            float m = fabsf(v[i]);
+            if (m > amax) amax = m;
+        }
+        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int q = (int)nearbyintf(v[i] * id);
+            a[b * 32 + i] = (int8_t)q;
+            sum += q;
+        }
+        s[b] = d;
+        A[b] = sum;
+    }
+}
+
+struct qrows { const int8_t* a; const float* s; const int32_t* A; long K; };
+
+/* Integer sums of one block: out[j] = sum over the block's 32 inputs of c[j] a, columns j < 16. */
+static inline void qsums_portable(const uint8_t* codes, int wtype, const int8_t* a, int32_t* out) {
+    for (int j = 0; j < 16; j++) out[j] = 0;
+    if (wtype == Q8_0) {
+        for (int g = 0; g < 8; g++)
+            for (int j = 0; j < 16; j++)
+                for (int t = 0; t < 4; t++) out[j] += (int32_t)codes[g * 64 + j * 4 + t] * a[g * 4 + t];
+    } else {
+        for (int v = 0; v < 4; v++)
+            for (int j = 0; j < 16; j++)
+                for (int t = 0; t < 4; t++) {
+                    uint8_t byte = codes[v * 64 + j * 4 + t];
+                    out[j] += (int32_t)(byte & 15) * a[v * 4 + t] + (int32_t)(byte >> 4) * a[16 + v * 4 + t];
+                }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SD_QVECTOR "avx512-vnni"
+#define QROWS 16
+/* R rows x one panel, every block: the panel's block is unpacked once and meets each row. */
+#define QTILE(R)                                                                                   \
+static void qtile_##R(const struct qrows* x, long m0, const uint8_t* panel, int wtype, float* acc_out) { \
+    __m512 acc[R];                                                                                 \
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
+    long nb = x->K / 32, bytes = qblock_bytes(wtype);                                              \
+    int z = qzero(wtype), q4 = wtype != Q8_0, has_m = wtype == Q4_1;                               \
+    for (long b = 0; b < nb; b++) {                                                                \
+        const uint8_t* blk = panel + b * bytes;                                                    \
+        _mm_prefetch((const char*)blk + 4 * bytes, _MM_HINT_T0);                                   \
+        _mm_prefetch((const char*)blk + 4 * bytes + 64, _MM_HINT_T0);                              \
+        _mm_prefetch((const char*)blk + 4 * bytes + 128, _MM_HINT_T0);                             \
+        _mm_prefetch((const char*)blk + 4 * bytes + 192, _MM_HINT_T0);                             \
+        _mm_prefetch((const char*)blk + 4 * bytes + 256, _MM_HINT_T0);                             \
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));                       \
+        __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d;    \
+        const uint8_t* codes = blk + (has_m ? 64 : 32);                                            \
+        __m512i w[8];                                                                              \
+        if (q4) {                                                                                  \
+            __m512i lo = _mm512_set1_epi8(15);                                                     \
+            for (int v = 0; v < 4; v++) {                                                          \
+                __m512i raw = _mm512_loadu_si512((const void*)(codes + v * 64));                   \
+                w[v] = _mm512_and_si512(raw, lo);                                                  \
+                w[4 + v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo);                        \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void*)(codes + g * 64));  \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) {                                                              \
+            const int8_t* a = x->a + (m0 + r) * x->K + b * 32;                                     \
+            int32_t quad[8];                                                                       \
+            memcpy(quad, a, 32);                                                                   \
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();                      \
+            for (int g = 0; g < 8; g += 2) {                                                       \
+                s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(quad[g]));                    \
+                s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(quad[g + 1]));            \
+            }                                                                                      \
+            int32_t A = x->A[(m0 + r) * (x->K / 32) + b];                                          \
+            __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(z * A));    \
+            __m512 s = _mm512_set1_ps(x->s[(m0 + r) * (x->K / 32) + b]);                           \
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(sum), acc[r]);        \
+            if (has_m) acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(m, s), _mm512_set1_ps((float)A), acc[r]); \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + r * NR, acc[r]);                        \
+}
+#else
+#define QROWS 4
+#if defined(__AVX2__) && defined(__FMA__)
+#define SD_QVECTOR "avx2"
+/* Two registers of 8 columns per 4-input group; products in int16 pairs (no overflow: Q8_0 as
+ * |w| times a with w's sign, |w| <= 128, |a| <= 127), summed to int32 by pairs of pairs. */
+static inline __m256i qdot8(__m256i w, __m256i a, int signed_w) {
+    __m256i ones = _mm256_set1_epi16(1);
+    if (signed_w) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+}
+static inline void qsums(const uint8_t* codes, int wtype, const int8_t* a, int32_t* out) {
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    int32_t quad[8];
+    memcpy(quad, a, 32);
+    for (int h = 0; h < 2; h++) {
+        if (wtype == Q8_0) {
+            __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int g = 0; g < 8; g++) {
+                __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
+                s[h] = _mm256_add_epi32(s[h], qdot8(w, _mm256_set1_epi32(quad[g]), 1));
+            }
+        } else {
+            __m256i lo = _mm256_set1_epi8(15);
+            for (int v = 0; v < 4; v++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
+                s[h] = _mm256_add_epi32(s[h], qdot8(_mm256_and_si256(raw, lo), _mm256_set1_epi32(quad[v]), 0));
+                s[h] = _mm256_add_epi32(s[h], qdot8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), lo),
+                                                    _mm256_set1_epi32(quad[4 + v]), 0));
+            }
+        }
+        _mm256_storeu_si256((__m256i*)(out + 8 * h), s[h]);
+    }
+    if (wtype == Q8_0) { /* the signed products above are sum w a; the convention below subtracts z A */
+        int32_t A = 0;
+        for (int i = 0; i < 32; i++) A += a[i];
+        for (int j = 0; j < 16; j++) out[j] += 128 * A;
+    }
+}
+#else
+#define SD_QVECTOR "portable"
+#define qsums qsums_portable
+#endif
+#define QTILE(R)                                                                                   \
+static void qtile_##R(const struct qrows* x, long m0, const uint8_t* panel, int wtype, float* acc_out) { \
+    float acc[R][16];                                                                              \
+    memset(acc, 0, sizeof(acc));                                                                   \
+    long nb = x->K / 32, bytes = qblock_bytes(wtype);                                              \
+    int z = qzero(wtype), has_m = wtype == Q4_1;                                                   \
+    for (long b = 0; b < nb; b++) {                                                                \
+        const uint8_t* blk = panel + b * bytes;                                                    \
+        float d[16], m[16];                                                                        \
+        for (int j = 0; j < 16; j++) {                                                             \
+            d[j] = half_to_float((uint16_t)(blk[2 * j] | blk[2 * j + 1] << 8));                    \
+            m[j] = has_m ? half_to_float((uint16_t)(blk[32 + 2 * j] | blk[33 + 2 * j] << 8)) : 0.f; \
+        }                                                                                          \
+        const uint8_t* codes = blk + (has_m ? 64 : 32);                                            \
+        for (int r = 0; r < R; r++) {                                                              \
+            long at = (m0 + r) * nb + b;                                                           \
+            int32_t sums[16];                                                                      \
+            qsums(codes, wtype, x->a + (m0 + r) * x->K + b * 32, sums);                            \
+            float s = x->s[at], A = (float)x->A[at];                                               \
+            for (int j = 0; j < 16; j++) {                                                         \
+                acc[r][j] = fmaf(d[j] * s, (float)(sums[j] - z * x->A[at]), acc[r][j]);            \
+                if (has_m) acc[r][j] = fmaf(m[j] * s, A, acc[r][j]);                               \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) memcpy(acc_out + r * NR, acc[r], sizeof(acc[r]));                  \
+}
+#endif
+typedef void (*qtile_fn)(const struct qrows*, long, const uint8_t*, int, float*);
+QTILE(1) QTILE(2) QTILE(3) QTILE(4)
+#if QROWS == 16
+QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12) QTILE(13) QTILE(14) QTILE(15) QTILE(16)
+static const qtile_fn qtiles[17] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6, qtile_7, qtile_8,
+                                    qtile_9, qtile_10, qtile_11, qtile_12, qtile_13, qtile_14, qtile_15, qtile_16};
+#else
+static const qtile_fn qtiles[5] = {0, qtile_1, qtile_2, qtile_3, qtile_4};
+#endif
+const char* sd_qvector(void) { return SD_QVECTOR; }
+
+struct qlinear_job { const uint8_t* wp; int wtype; long M, N; struct qrows x; struct linear_out out; };
+static void qlinear_part(void* arg, int part, int parts) {
+    struct qlinear_job* j = arg;
+    long panels = (j->N + NR - 1) / NR, pbytes = (j->x.K / 32) * qblock_bytes(j->wtype);
+    long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
+    float acc[QROWS * NR];
+    long blocks = (j->M + QROWS - 1) / QROWS;
+    for (long p = p0; p < p1; p++)  /* a panel (a few KiB) stays in L1 while every row block uses it */
+        for (long b = 0; b < blocks; b++) {
+            long m0 = j->M * b / blocks;
+            int R = (int)(j->M * (b + 1) / blocks - m0);
+            qtiles[R](&j->x, m0, j->wp + p * pbytes, j->wtype, acc);
+            finish_tile(&j->out, acc, NR, m0, R, p * NR, NR);
+        }
+}
+
+/* sd_linear with quantized weights: x [M, K] (K a multiple of 32) times the packed wq -> y [M, N];
+ * gain [K] float32 (the norm's weight, not folded into quantized weights) or NULL. */
+int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wtype, long N, const float* gain,
+                const void* bias, const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+    if (K % 32 || !sd_qblock_bytes(wtype)) return 2;
+    long nb = K / 32;
+    size_t bytes = sizeof(float) * (size_t)(M * K + M + M * nb) + sizeof(int32_t) * (size_t)(M * nb) + (size_t)(M * K);
+    char* work = malloc(bytes + 64);
+    if (!work) return 1;
+    float* xf = (float*)work;
+    float* scale = xf + M * K;
+    float* s = scale + M;
+    int32_t* A = (int32_t*)(s + M * nb);
+    int8_t* a = (int8_t*)(A + M * nb);
+    for (long m = 0; m < M; m++) {
+        widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
+        if (norm_eps >= 0) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
+        quantize_row(xf + m * K, gain, K, a + m * K, s + m * nb, A + m * nb);
+    }
+    struct qlinear_job job = {wq, wtype, M, N, {a, s, A, K}, {bias, residual, y, N, ldr, ldy, dtype,
+                                                             norm_eps >= 0 ? scale : NULL}};
+    long panels = (N + NR - 1) / NR;
+    int parts = M * K * N / 4 >= parallel_threshold ? active_threads : 1;
+    if (parts > panels) parts = (int)panels;
+    run_parallel(qlinear_part, &job, parts);
+    free(work);
+    return 0;
+}
+
 /* ---- RMSNorm with a weight, over rows of S elements (final norm, q/k norms) ----------------
  * rows x groups vectors: vector (r, g) starts at r * ld_row + g * ld_group, in x and in y.
  * y = (x * inv_rms) * weight. y may be x.
@@ -827,7 +1081,15 @@ struct sd_layer {
     long hidden, heads, kv, head_dim, inner;
     float eps, head_eps, scale;
     int dtype;
+    int qkv_type, o_type, gate_up_type, down_type;  /* 0: float panels in dtype; else Q8_0, Q4_0, Q4_1 */
+    const float *qkv_gain, *gate_up_gain;          /* the norms' weights where not folded (quantized) */
 };
+
+static int product(const void* x, long M, long K, long ldx, const void* wp, int wtype, const float* gain, long N,
+                   const void* bias, const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+    if (wtype) return sd_linear_q(x, M, K, ldx, wp, wtype, N, gain, bias, residual, ldr, y, ldy, norm_eps, dtype);
+    return sd_linear(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
+}
 struct sd_block {
     long batch, n, past;
     const int64_t* positions;  /* [B * n] */
@@ -846,7 +1108,8 @@ int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, co
     long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
     size_t es = esize(w->dtype);
     int dtype = w->dtype;
-    if (sd_linear(x_attn, M, K, K, w->qkv, width, w->qkv_bias, NULL, 0, b->qkv, width, attn_eps, dtype)) return 1;
+    if (product(x_attn, M, K, K, w->qkv, w->qkv_type, w->qkv_gain, width, w->qkv_bias, NULL, 0, b->qkv, width,
+                attn_eps, dtype)) return 1;
     if (w->q_norm) {
         if (sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype)) return 1;
         if (sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
@@ -865,12 +1128,13 @@ int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, co
     }
     if (sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
                      b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype)) return 1;
-    if (sd_linear(b->attn, M, w->heads * D, w->heads * D, w->o, H, w->o_bias, residual, H, x_out, H, -1.0f, dtype))
-        return 1;
-    if (sd_linear(x_out, M, H, H, w->gate_up, 2 * w->inner, w->gate_up_bias, NULL, 0, b->gate_up, 2 * w->inner,
-                  w->eps, dtype)) return 1;
+    if (product(b->attn, M, w->heads * D, w->heads * D, w->o, w->o_type, NULL, H, w->o_bias, residual, H, x_out, H,
+                -1.0f, dtype)) return 1;
+    if (product(x_out, M, H, H, w->gate_up, w->gate_up_type, w->gate_up_gain, 2 * w->inner, w->gate_up_bias, NULL, 0,
+                b->gate_up, 2 * w->inner, w->eps, dtype)) return 1;
     sd_silu_mul(b->gate_up, M, w->inner, 2 * w->inner, b->act, w->inner, dtype);
-    return sd_linear(b->act, M, w->inner, w->inner, w->down, H, w->down_bias, x_out, H, x_out, H, -1.0f, dtype);
+    return product(b->act, M, w->inner, w->inner, w->down, w->down_type, NULL, H, w->down_bias, x_out, H, x_out, H,
+                   -1.0f, dtype);
 }
 
 int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const void* x_in, void* x_out) {

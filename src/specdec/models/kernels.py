@@ -135,6 +135,8 @@ def load_library(path: Path) -> ctypes.CDLL:
     p, i, f, n = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     signatures = {
         "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, n],
+        "sd_linear_q": [p, i, i, i, p, n, i, p, p, p, i, p, i, f, n],
+        "sd_qblock_bytes": [n],
         "sd_rms_norm": [p, p, i, i, i, i, i, p, f, n],
         "sd_rope": [p, i, i, i, i, p, p, n],
         "sd_silu_mul": [p, i, i, i, p, i, n],
@@ -149,8 +151,26 @@ def load_library(path: Path) -> ctypes.CDLL:
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
     lib.sd_vector.restype = ctypes.c_char_p
+    lib.sd_qvector.restype = ctypes.c_char_p
+    lib.sd_qblock_bytes.restype = ctypes.c_long
     lib.sd_set_threads(torch.get_num_threads())
     return lib
+
+
+def builds() -> list[ctypes.CDLL]:
+    """Every build this machine runs: the native one, the portable one and, where the native one has
+    AVX-512, the AVX2 one (``-mno-avx512f``); for checking that they compute the same bits."""
+    native = library()
+    found = [native, load_library(build(native=False))]
+    if native.sd_vector().decode() == "avx512":
+        global NATIVE_FLAGS
+        saved = NATIVE_FLAGS
+        NATIVE_FLAGS = [*saved, "-mno-avx512f"]
+        try:
+            found.append(load_library(build()))
+        finally:
+            NATIVE_FLAGS = saved
+    return found
 
 
 def library() -> ctypes.CDLL:
@@ -212,6 +232,123 @@ class Matrix:
         return self.packed.permute(1, 0, 2).reshape(self.rows, -1)[:, :self.cols]
 
 
+# GGUF's block-quantized types the kernels run: 32 weights of one output column per block.
+QTYPES = {"Q8_0": 3, "Q4_0": 4, "Q4_1": 5}
+_GGUF_BLOCK = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}    # bytes of one block in a GGUF file
+_ZERO = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 0}           # code offset: w = d (code - zero) (+ m)
+
+
+@dataclass
+class QMatrix:
+    """A block-quantized weight [K, N] (x @ w), kept quantized and packed once for the kernels: panels
+    of 16 columns, each [K / 32 blocks] of (16 float16 scales, Q4_1's 16 float16 minimums, the codes
+    in 4-input groups); kernels.c's quantized section describes the layout and the arithmetic.
+    ``gain`` [K] float32 is the weight of the RMSNorm before the product, applied to the input
+    (a quantized matrix cannot absorb it)."""
+
+    packed: torch.Tensor          # uint8 [panels, K / 32, block bytes]
+    rows: int                     # K
+    cols: int                     # N
+    qtype: str                    # "Q8_0", "Q4_0" or "Q4_1"
+    gain: torch.Tensor | None = None
+
+    @property
+    def code(self) -> int:
+        return QTYPES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    @classmethod
+    def from_gguf(cls, raw, qtype: str, rows: int, cols: int, gain: torch.Tensor | None = None) -> "QMatrix":
+        """From a GGUF tensor's bytes: ``cols`` output rows of ``rows / 32`` blocks each, in file order."""
+        if qtype not in QTYPES:
+            raise ValueError(f"quantized type {qtype} is not one the kernels run ({', '.join(QTYPES)})")
+        if rows % 32:
+            raise ValueError(f"a {qtype} matrix needs an input size divisible by 32, got {rows}")
+        blocks = rows // 32
+        data = torch.as_tensor(raw).reshape(cols, blocks, _GGUF_BLOCK[qtype]).to(torch.uint8)
+        panels = -(-cols // PANEL)
+        if panels * PANEL != cols:   # pad with zero blocks (scale 0): those columns are never stored
+            data = torch.cat([data, data.new_zeros(panels * PANEL - cols, blocks, data.shape[2])])
+        per_panel = data.view(panels, PANEL, blocks, -1).permute(0, 2, 1, 3)   # [P, nb, 16, bytes]
+        parts = [per_panel[..., 0:2].reshape(panels, blocks, 32)]             # d, column after column
+        if qtype == "Q4_1":
+            parts.append(per_panel[..., 2:4].reshape(panels, blocks, 32))     # m
+            body = per_panel[..., 4:]
+        else:
+            body = per_panel[..., 2:]
+        if qtype == "Q8_0":   # int8 q -> code q + 128, in 8 groups of 4 inputs x 16 columns
+            codes = (body ^ 0x80).reshape(panels, blocks, PANEL, 8, 4).permute(0, 1, 3, 2, 4)
+        else:                 # GGUF's byte i already holds inputs i (low nibble) and 16 + i (high)
+            codes = body.reshape(panels, blocks, PANEL, 4, 4).permute(0, 1, 3, 2, 4)
+        parts.append(codes.reshape(panels, blocks, -1))
+        packed = torch.cat(parts, dim=2).contiguous()
+        return cls(packed, rows, cols, qtype, None if gain is None else gain.float().contiguous())
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, qtype: str, gain: torch.Tensor | None = None) -> "QMatrix":
+        """Quantize a float weight [out, in] as llama.cpp's reference quantizers do (per 32-block)."""
+        return cls.from_gguf(quantize_blocks(w, qtype), qtype, w.shape[1], w.shape[0], gain)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [K, N] float32 values the codes stand for (tests, drafters that read weights)."""
+        panels, blocks = self.packed.shape[:2]
+        scales = self.packed[..., :32].contiguous().view(torch.float16).float()            # [P, nb, 16]
+        at = 32
+        minimum = None
+        if self.qtype == "Q4_1":
+            minimum, at = self.packed[..., 32:64].contiguous().view(torch.float16).float(), 64
+        body = self.packed[..., at:].reshape(panels, blocks, -1, PANEL, 4)                 # [P, nb, g, 16, 4]
+        if self.qtype == "Q8_0":
+            codes = body.permute(0, 1, 3, 2, 4).reshape(panels, blocks, PANEL, 32).int()
+        else:
+            low, high = (body & 15).permute(0, 1, 3, 2, 4), (body >> 4).permute(0, 1, 3, 2, 4)
+            codes = torch.cat([low.reshape(panels, blocks, PANEL, 16), high.reshape(panels, blocks, PANEL, 16)],
+                              dim=3).int()
+        values = scales[..., None] * (codes - _ZERO[self.qtype]).float()
+        if minimum is not None:
+            values = values + minimum[..., None]
+        # [P, nb, 16, 32] -> [K, N]
+        return values.permute(1, 3, 0, 2).reshape(blocks * 32, panels * PANEL)[:, :self.cols].contiguous()
+
+
+def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF bytes [out, in / 32 * block bytes] of a float weight [out, in], as llama.cpp's reference
+    quantizers make them: Q8_0 d = max|x| / 127, q = round(x / d); Q4_0 d = (the x of largest
+    magnitude) / -8, q = min(15, trunc(x / d + 8.5)); Q4_1 d = (max - min) / 15, m = min,
+    q = min(15, trunc((x - m) / d + 0.5)); scales stored as float16."""
+    out, inputs = w.shape
+    if inputs % 32:
+        raise ValueError(f"{qtype} needs an input size divisible by 32, got {inputs}")
+    x = w.float().reshape(out, inputs // 32, 32)
+
+    def half(t):
+        return t.to(torch.float16).contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+    def inverse(d):
+        return torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+
+    if qtype == "Q8_0":
+        d = x.abs().amax(-1) / 127
+        q = torch.round(x * inverse(d)[..., None]).clamp(-128, 127).to(torch.int8).view(torch.uint8)
+        blocks = torch.cat([half(d), q], dim=-1)
+    elif qtype == "Q4_0":
+        index = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, index).squeeze(-1) / -8
+        q = torch.trunc(x * inverse(d)[..., None] + 8.5).clamp(0, 15).to(torch.uint8)
+        blocks = torch.cat([half(d), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    elif qtype == "Q4_1":
+        low, high = x.amin(-1), x.amax(-1)
+        d = (high - low) / 15
+        q = torch.trunc((x - low[..., None]) * inverse(d)[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+        blocks = torch.cat([half(d), half(low), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    else:
+        raise ValueError(f"unknown quantized type {qtype}")
+    return blocks.reshape(out, -1).contiguous()
+
+
 def _check(status: int) -> None:
     if status:
         raise MemoryError("specdec's kernels could not allocate their work memory")
@@ -234,7 +371,7 @@ def _rows(t: torch.Tensor) -> tuple[int, int]:
     return flat.shape[0], flat.stride(0) if flat.shape[0] > 1 else t.shape[-1]
 
 
-def linear(x: torch.Tensor, w: Matrix, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: Matrix | QMatrix, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
     """x [..., K] @ w (+ bias) (+ residual) -> [..., N]; rows RMS-normalised first when norm_eps is given."""
     rows, ldx = _rows(x)
@@ -242,6 +379,14 @@ def linear(x: torch.Tensor, w: Matrix, out: torch.Tensor | None = None, bias: to
         out = x.new_empty(*x.shape[:-1], w.cols)
     _, ldy = _rows(out)
     ldr = _rows(residual)[1] if residual is not None else 0
+    if isinstance(w, QMatrix):
+        status = library().sd_linear_q(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.code, w.cols,
+                                       _ptr(w.gain), _ptr(bias), _ptr(residual), ldr, out.data_ptr(), ldy,
+                                       -1.0 if norm_eps is None else norm_eps, DTYPES[x.dtype])
+        if status == 2:
+            raise ValueError(f"a {w.qtype} product needs an input size divisible by 32, got {w.rows}")
+        _check(status)
+        return out
     _check(library().sd_linear(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.cols, _ptr(bias),
                                _ptr(residual), ldr, out.data_ptr(), ldy, -1.0 if norm_eps is None else norm_eps,
                                DTYPES[x.dtype]))

@@ -41,7 +41,7 @@ import torch
 from specdec.backends.cache import FULL, Window
 from specdec.errors import ModelLoadError, UnsupportedModelError
 from specdec.models import kernels
-from specdec.models.kernels import Matrix
+from specdec.models.kernels import Matrix, QMatrix
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -56,7 +56,9 @@ class LayerParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias")] + [
         (name, ctypes.c_long) for name in ("hidden", "heads", "kv", "head_dim", "inner")] + [
-        (name, ctypes.c_float) for name in ("eps", "head_eps", "scale")] + [("dtype", ctypes.c_int)]
+        (name, ctypes.c_float) for name in ("eps", "head_eps", "scale")] + [("dtype", ctypes.c_int)] + [
+        (name, ctypes.c_int) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")] + [
+        (name, ctypes.c_void_p) for name in ("qkv_gain", "gate_up_gain")]
 
 
 class BlockParams(ctypes.Structure):
@@ -73,15 +75,16 @@ class BlockParams(ctypes.Structure):
 class Layer:
     """One decoder layer's tensors, in the layout the kernels use."""
 
-    qkv: Matrix                        # [H, (heads + 2 kv) D]: q/k in pair order, input norm folded in
+    qkv: Matrix | QMatrix              # [H, (heads + 2 kv) D]: q/k in pair order, input norm folded in
+                                       # (a QMatrix keeps it as its gain)
     qkv_bias: torch.Tensor | None      # [(heads + 2 kv) D] (qwen2, attention_bias)
     q_norm: torch.Tensor | None        # [D] (qwen3: RMSNorm of each head before RoPE), pair order
     k_norm: torch.Tensor | None        # [D]
-    o: Matrix                          # [heads D, H]
+    o: Matrix | QMatrix                # [heads D, H]
     o_bias: torch.Tensor | None        # [H]
-    gate_up: Matrix                    # [H, 2 I], post-attention norm folded in
+    gate_up: Matrix | QMatrix          # [H, 2 I], post-attention norm folded in (or its gain)
     gate_up_bias: torch.Tensor | None  # [2 I] (mlp_bias)
-    down: Matrix                       # [I, H]
+    down: Matrix | QMatrix             # [I, H]
     down_bias: torch.Tensor | None     # [H]
     window: Window = FULL              # which earlier tokens the layer attends to
     params: LayerParams = field(default=None, repr=False)  # the same, for the kernels
@@ -96,7 +99,7 @@ class Llama:
     embed: torch.Tensor                # [V, H]
     layers: list[Layer]
     norm: torch.Tensor                 # [H] the final norm's weight (for transformers' last hidden state)
-    head: Matrix                       # [H, V], the final norm folded in (a copy of embed when tied)
+    head: Matrix | QMatrix             # [H, V], the final norm folded in (a copy of embed when tied)
     inv_freq: torch.Tensor             # [D/2] float32
     heads: int
     kv_heads: int
@@ -225,13 +228,20 @@ def _run_layer(*args) -> int:
 
 def layer_params(layer: Layer, model: Llama) -> LayerParams:
     def ptr(t):
-        return None if t is None else (t.packed if isinstance(t, Matrix) else t).data_ptr()
+        return None if t is None else (t.packed if isinstance(t, (Matrix, QMatrix)) else t).data_ptr()
+
+    def kind(t):
+        return t.code if isinstance(t, QMatrix) else 0
+
+    def gain(t):
+        return ptr(t.gain) if isinstance(t, QMatrix) else None
 
     return LayerParams(ptr(layer.qkv), ptr(layer.qkv_bias), ptr(layer.q_norm), ptr(layer.k_norm), ptr(layer.o),
                        ptr(layer.o_bias), ptr(layer.gate_up), ptr(layer.gate_up_bias), ptr(layer.down),
                        ptr(layer.down_bias), model.hidden_size, model.heads, model.kv_heads, model.head_dim,
                        layer.gate_up.cols // 2, model.eps, model.eps, model.head_dim ** -0.5,
-                       kernels.DTYPES[model.dtype])
+                       kernels.DTYPES[model.dtype], kind(layer.qkv), kind(layer.o), kind(layer.gate_up),
+                       kind(layer.down), gain(layer.qkv), gain(layer.gate_up))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +375,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu") -> Llama:
     """Read an HF Llama-family directory into a ``Llama``; UnsupportedModelError names what runs."""
     path = Path(path)
+    if path.is_dir() and gguf_weights(path) is not None:
+        return load_gguf(path, dtype, device)
     config = read_config(path)
     reason = unsupported(config) or unsupported_run(dtype, device)
     if reason:
@@ -389,6 +401,135 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                   head=matrix(head, dtype, final), inv_freq=inverse_frequencies(config, dim).to(device), heads=heads,
                   kv_heads=kv, head_dim=dim, eps=float(config.rms_norm_eps),
                   lm_head=None if head is embed else small(head, dtype))
+    bind_layers(model)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files, their quantized tensors kept as they are.
+
+class Stored:
+    """A GGUF matrix [out, in] on its way into the kernels' layout: rows (outputs) and 32-input blocks
+    can be reordered without touching a quantized value; anything else is read as float32."""
+
+    def __init__(self, kind: str, data, shape: tuple[int, int], where: str):
+        from specdec.models.gguf import dequantized
+
+        self.kind, self.shape = kind, shape
+        if kind in kernels.QTYPES:
+            self.data = torch.from_numpy(np_bytes(data)).reshape(shape[0], -1)   # [out, blocks * block bytes]
+        else:
+            self.kind, self.data = "F32", dequantized(kind, data, shape, where)  # [out, in]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "F32"
+
+    def float(self) -> torch.Tensor:
+        if not self.quantized:
+            return self.data
+        return kernels.QMatrix.from_gguf(self.data, self.kind, self.shape[1], self.shape[0]).dequantize().t()
+
+    def rows(self, order: torch.Tensor) -> "Stored":
+        out = object.__new__(Stored)
+        out.kind, out.shape, out.data = self.kind, self.shape, self.data[order]
+        return out
+
+    def input_chunks(self, order: torch.Tensor) -> "Stored":
+        """Inputs reordered by ``order`` [in]; quantized only when it moves whole 32-input blocks."""
+        out = object.__new__(Stored)
+        out.kind, out.shape = self.kind, self.shape
+        chunks = order.view(-1, 32) if order.numel() % 32 == 0 else None
+        aligned = chunks is not None and bool((chunks == chunks[:, :1] + torch.arange(32)).all()) and bool(
+            (chunks[:, 0] % 32 == 0).all())
+        if self.quantized and aligned:
+            blocks = self.data.view(self.shape[0], self.shape[1] // 32, -1)
+            out.data = blocks[:, chunks[:, 0] // 32].reshape(self.shape[0], -1)
+        else:
+            out.kind, out.data = "F32", self.float()[:, order]
+        return out
+
+    @staticmethod
+    def cat(parts: list["Stored"]) -> "Stored":
+        out = object.__new__(Stored)
+        out.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        if len({p.kind for p in parts}) == 1:
+            out.kind, out.data = parts[0].kind, torch.cat([p.data for p in parts])
+        else:
+            out.kind, out.data = "F32", torch.cat([p.float() for p in parts])
+        return out
+
+    def matrix(self, dtype: torch.dtype, norm: torch.Tensor | None = None) -> Matrix | QMatrix:
+        """Quantized: packed as it is, the norm's weight kept beside it; else ``matrix`` (folded)."""
+        if self.quantized:
+            return QMatrix.from_gguf(self.data, self.kind, self.shape[1], self.shape[0], norm)
+        return matrix(self.data, dtype, norm)
+
+
+def np_bytes(data):
+    import numpy as np
+
+    return np.ascontiguousarray(data).view(np.uint8).copy()
+
+
+def gguf_weights(path: Path) -> Path | None:
+    """The GGUF file a model folder holds as its weights (no safetensors beside it), or None."""
+    from specdec.models.gguf import GGUF_WEIGHTS
+
+    if any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    return path / GGUF_WEIGHTS if (path / GGUF_WEIGHTS).is_file() else None
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
+    """A folder whose weights are a GGUF file (``gguf.link_folder``): Q8_0, Q4_0 and Q4_1 matrices stay
+    quantized (``QMatrix``, int8 activations); other types are read as float32 and run in ``dtype``.
+    The embedding is dequantized once for lookups; a tied head is the embedding's quantized matrix."""
+    from specdec.models.gguf import half_split_rope_rows, raw_tensors
+
+    path = Path(path)
+    config = read_config(path)
+    reason = unsupported(config) or unsupported_run(dtype, device)
+    if reason:
+        raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
+    file = gguf_weights(path)
+    tensors = raw_tensors(file)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def stored(name: str) -> Stored:
+        if name not in tensors:
+            raise ModelLoadError(f"{file} lacks the tensor {name}")
+        kind, data, shape = tensors[name]
+        return Stored(kind, data, shape, f"{file}: {name}")
+
+    def vector(name: str) -> torch.Tensor:
+        return stored(name).data.reshape(-1).float()
+
+    # q/k rows: the file's adjacent RoPE pairs -> HF's halves -> the kernels' pair order, query heads
+    # group-major; o's inputs follow the query heads (whole heads: whole blocks when D % 32 == 0).
+    q_order = group_major(pair_halves(half_split_rope_rows(torch.arange(heads * dim), heads), heads, dim), kv, dim)
+    k_order = pair_halves(half_split_rope_rows(torch.arange(kv * dim), kv), kv, dim)
+    o_order = group_major(torch.arange(heads * dim), kv, dim)
+    layers = []
+    for index, window in enumerate(layer_windows(config)):
+        at = f"blk.{index}."
+        qkv = Stored.cat([stored(at + "attn_q.weight").rows(q_order), stored(at + "attn_k.weight").rows(k_order),
+                          stored(at + "attn_v.weight")])
+        gate_up = Stored.cat([stored(at + "ffn_gate.weight"), stored(at + "ffn_up.weight")])
+        layers.append(Layer(
+            qkv=qkv.matrix(dtype, vector(at + "attn_norm.weight")), qkv_bias=None, q_norm=None, k_norm=None,
+            o=stored(at + "attn_output.weight").input_chunks(o_order).matrix(dtype), o_bias=None,
+            gate_up=gate_up.matrix(dtype, vector(at + "ffn_norm.weight")), gate_up_bias=None,
+            down=stored(at + "ffn_down.weight").matrix(dtype), down_bias=None, window=window))
+    embedding = stored("token_embd.weight")
+    head = stored("output.weight") if "output.weight" in tensors else embedding
+    final = vector("output_norm.weight")
+    embed = embedding.float()
+    model = Llama(config=config, embed=small(embed, dtype), layers=layers, norm=small(final, dtype),
+                  head=head.matrix(dtype, final), inv_freq=inverse_frequencies(config, dim), heads=heads,
+                  kv_heads=kv, head_dim=dim, eps=float(config.rms_norm_eps),
+                  lm_head=None if head is embedding else small(head.float(), dtype))
     bind_layers(model)
     return model
 

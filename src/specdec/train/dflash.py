@@ -49,6 +49,7 @@ class DFlashShape:
     block_size: int = 16
     target_features: int = 3      # target layers fused (spread shallow to deep)
     intermediate: int = 0         # 0: the target's intermediate size
+    target_layers: tuple[int, ...] = ()  # 0-based target layers read; () = target_features spread out
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ PRESETS: dict[str, DFlashTrainConfig] = {
     "dflash-long": DFlashTrainConfig(batch_size=2, train_sequences=256, prefix_len=960, generated_len=64,
                                      generation_batch=16, optim=OptimConfig(steps=300, lr=5e-4, warmup_steps=20,
                                                                             eval_every=100, ckpt_every_steps=50)),
+    # A real chat target (SmolLM2-135M-Instruct): the ShareGPT text with the target's distributions as
+    # labels, reading the layers EAGLE-3's preset reads, so both train from one feature cache
+    # (--data-dir); two layers, blocks of 8, sized for about an hour on 2 cores.
+    "dflash-sharegpt": DFlashTrainConfig(shape=DFlashShape(layers=2, block_size=8, target_layers=(1, 14, 26)),
+                                         batch_size=8, train_sequences=1536, heldout_sequences=48, prefix_len=256,
+                                         generated_len=256, source="sharegpt", anchors=32, gamma=4.0,
+                                         optim=OptimConfig(steps=400, lr=2e-3, warmup_steps=30, eval_every=100,
+                                                           ckpt_every_steps=20, bfloat16=True)),
     "tiny": DFlashTrainConfig(shape=DFlashShape(layers=1, block_size=4, target_features=2),
                               optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
                               anchors=4, eval_blocks=(2, 4), **TINY_DATA),
@@ -81,7 +90,8 @@ def load_config(path: str | None, preset: str) -> DFlashTrainConfig:
 
 def config_from_dict(values: dict[str, Any]) -> DFlashTrainConfig:
     config = train_config.config_from_dict(DFlashTrainConfig, values, "DFlash training")
-    return replace(config, eval_blocks=tuple(config.eval_blocks))
+    return replace(config, eval_blocks=tuple(config.eval_blocks),
+                   shape=replace(config.shape, target_layers=tuple(config.shape.target_layers)))
 
 
 def mask_token_for(target) -> int:
@@ -199,10 +209,11 @@ def batch_maker(run, salt: int):
 
 def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                  resume: bool = False, max_minutes: float | None = None,
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
     """Train (or resume) a DFlash drafter for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    run = prepare_run("dflash", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log)
+    run = prepare_run("dflash", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
+                      data_dir)
     config, target, held, log = run.config, run.target, run.held, run.log
     shape = config.shape
     if shape.layers < 1 or shape.block_size < 2 or shape.target_features < 1:
@@ -220,6 +231,7 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
         net.train()
     else:
         net_config = dflash.DFlashConfig.for_target(target, shape.layers, shape.block_size, mask_token_for(target),
+                                                    target_layer_ids=tuple(shape.target_layers) or None,
                                                     num_target_features=shape.target_features,
                                                     intermediate_size=shape.intermediate or None)
         net = dflash.DFlashNet(net_config)

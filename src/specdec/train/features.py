@@ -472,6 +472,7 @@ class DrafterRun:
     log: Callable[[str], None]
     target_dir: Path
     source: str             # where the data came from (data_source)
+    data_dir: Path          # token ids and feature caches (shared between runs on the same data)
     feature_seconds: float = 0.0
 
     def frozen(self, layers: tuple[int, ...]) -> FrozenTarget:
@@ -481,9 +482,15 @@ class DrafterRun:
         if self.source != "corpus":
             config = self.target.config
             key = f"{self.target.fingerprint()}-{self.source}-{self.train.tokens.shape[0]}x{self.train.tokens.shape[1]}"
-            layer_key = "-".join(str(i) for i in sorted(set(layers) | {self.target.num_layers}))
-            cache = FeatureCache(self.ckpt_dir / f"features-{key}-L{layer_key}", {"train": self.train, "heldout": self.held},
-                                 layers, self.target.num_layers, int(config.hidden_size))
+            wanted = set(layers) | {self.target.num_layers}
+            # A cache of these sequences holding more layers serves too (EAGLE-3, DFlash, Medusa and
+            # EAGLE-1 can share one folder); else one of exactly the layers asked for.
+            stored = sorted(set(int(i) for i in folder.name.rsplit("-L", 1)[1].split("-"))
+                            for folder in self.data_dir.glob(f"features-{key}-L*") if folder.is_dir())
+            chosen = next((found for found in stored if wanted <= found), wanted)
+            layer_key = "-".join(str(i) for i in sorted(chosen))
+            cache = FeatureCache(self.data_dir / f"features-{key}-L{layer_key}", {"train": self.train, "heldout": self.held},
+                                 tuple(chosen), self.target.num_layers, int(config.hidden_size))
             self.feature_seconds = cache.build(self.target_dir, self.log)
         return FrozenTarget(self.target_dir, cache)
 
@@ -505,9 +512,11 @@ class DrafterRun:
 
 
 def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Path | None, resume: bool,
-                config_from_dict: Callable, log: Callable[[str], None] | None) -> DrafterRun:
+                config_from_dict: Callable, log: Callable[[str], None] | None,
+                data_dir: Path | None = None) -> DrafterRun:
     """Resolve folders, take the configuration from the checkpoint on resume, load the target and make
-    (or read) its continuation data."""
+    (or read) its continuation data; token ids and features live in ``data_dir`` (default: the
+    checkpoint folder)."""
     import time
 
     from tqdm import tqdm
@@ -517,13 +526,15 @@ def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Pa
 
     log = log or (lambda message: tqdm.write(message))
     ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else Path(out_dir) / "checkpoints"
+    data_dir = Path(data_dir) if data_dir is not None else ckpt_dir
     if resume:
         config = config_from_dict(load_latest_checkpoint(ckpt_dir)["run_config"][kind])
     target = load_target(target_dir)
     started = time.monotonic()
     source = data_source(config.source, target.tokenizer)
-    train, held = training_data(Path(target_dir), target.fingerprint(), ckpt_dir,
+    train, held = training_data(Path(target_dir), target.fingerprint(), data_dir,
                                 train_sequences=config.train_sequences, heldout_sequences=config.heldout_sequences,
                                 prefix_len=config.prefix_len, generated_len=config.generated_len,
                                 generation_batch=config.generation_batch, seed=config.seed, log=log, source=source)
-    return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log, Path(target_dir), source)
+    return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log, Path(target_dir), source,
+                      data_dir)

