@@ -510,7 +510,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
  * s = max |x| / 127, a = nearest(x / s) in [-127, 127] (llama.cpp's Q8 activations, the scale in
  * float32), A = the block's sum of a. Then each block adds to the column's chain
  *
- *     acc = fma(d * s, (float)(sum c a - z A), acc)       (Q4_1 also: acc = fma(m * s, (float)A, acc))
+ *     acc = fma(d * s, (float)(sum c a - z A), acc)       (Q4_1 also: acc = fma(m, s * (float)A, acc))
  *
  * in block order, in float32. The integer sum is exact in any order and any width, so the vector
  * paths (AVX-512 VNNI, AVX2) and the portable loop give the same bits, and a row's result does not
@@ -541,10 +541,27 @@ static inline float half_to_float(uint16_t h) {
     float f; memcpy(&f, &u, 4); return f;
 }
 
-/* One row: x [K] (times gain) -> a [K] int8, s [K/32] float, A [K/32] int32. */
-static void quantize_row(const float* x, const float* gain, long K, int8_t* a, float* s, int32_t* A) {
+/* One row: x [K] (times gain) -> a [K] int8, s [K/32] float, A [K/32] int32 and sA [K/32] = s * (float)A.
+ * The vector versions do the same IEEE operations (a product, |.|, max, a division, a product rounded
+ * to nearest even), so every build quantizes a row to the same integers. */
+static void quantize_row(const float* x, const float* gain, long K, int8_t* a, float* s, int32_t* A, float* sA) {
     for (long b = 0; b < K / 32; b++) {
         float v[32], amax = 0.f;
+#if defined(__AVX512F__)
+        __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+        if (gain) {
+            lo = _mm512_mul_ps(lo, _mm512_loadu_ps(gain + b * 32));
+            hi = _mm512_mul_ps(hi, _mm512_loadu_ps(gain + b * 32 + 16));
+        }
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i*)(a + b * 32), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i*)(a + b * 32 + 16), _mm512_cvtepi32_epi8(qhi));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        (void)v;
+#else
         for (int i = 0; i < 32; i++) {
             v[i] = gain ? x[b * 32 + i] * gain[b * 32 + i] : x[b * 32 + i];
             float m = fabsf(v[i]);
@@ -557,12 +574,14 @@ static void quantize_row(const float* x, const float* gain, long K, int8_t* a, f
             a[b * 32 + i] = (int8_t)q;
             sum += q;
         }
+#endif
         s[b] = d;
         A[b] = sum;
+        sA[b] = d * (float)sum;
     }
 }
 
-struct qrows { const int8_t* a; const float* s; const int32_t* A; long K; };
+struct qrows { const int8_t* a; const float* s; const int32_t* A; const float* sA; long K; };
 
 /* Integer sums of one block: out[j] = sum over the block's 32 inputs of c[j] a, columns j < 16. */
 static inline void qsums_portable(const uint8_t* codes, int wtype, const int8_t* a, int32_t* out) {
@@ -584,52 +603,63 @@ static inline void qsums_portable(const uint8_t* codes, int wtype, const int8_t*
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SD_QVECTOR "avx512-vnni"
 #define QROWS 16
-/* R rows x one panel, every block: the panel's block is unpacked once and meets each row. */
-#define QTILE(R)                                                                                   \
-static void qtile_##R(const struct qrows* x, long m0, const uint8_t* panel, int wtype, float* acc_out) { \
-    __m512 acc[R];                                                                                 \
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
-    long nb = x->K / 32, bytes = qblock_bytes(wtype);                                              \
-    int z = qzero(wtype), q4 = wtype != Q8_0, has_m = wtype == Q4_1;                               \
-    for (long b = 0; b < nb; b++) {                                                                \
-        const uint8_t* blk = panel + b * bytes;                                                    \
-        _mm_prefetch((const char*)blk + 4 * bytes, _MM_HINT_T0);                                   \
-        _mm_prefetch((const char*)blk + 4 * bytes + 64, _MM_HINT_T0);                              \
-        _mm_prefetch((const char*)blk + 4 * bytes + 128, _MM_HINT_T0);                             \
-        _mm_prefetch((const char*)blk + 4 * bytes + 192, _MM_HINT_T0);                             \
-        _mm_prefetch((const char*)blk + 4 * bytes + 256, _MM_HINT_T0);                             \
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));                       \
-        __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d;    \
-        const uint8_t* codes = blk + (has_m ? 64 : 32);                                            \
-        __m512i w[8];                                                                              \
-        if (q4) {                                                                                  \
-            __m512i lo = _mm512_set1_epi8(15);                                                     \
-            for (int v = 0; v < 4; v++) {                                                          \
-                __m512i raw = _mm512_loadu_si512((const void*)(codes + v * 64));                   \
-                w[v] = _mm512_and_si512(raw, lo);                                                  \
-                w[4 + v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo);                        \
-            }                                                                                      \
-        } else {                                                                                   \
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void*)(codes + g * 64));  \
-        }                                                                                          \
-        for (int r = 0; r < R; r++) {                                                              \
-            const int8_t* a = x->a + (m0 + r) * x->K + b * 32;                                     \
-            int32_t quad[8];                                                                       \
-            memcpy(quad, a, 32);                                                                   \
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();                      \
-            for (int g = 0; g < 8; g += 2) {                                                       \
-                s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(quad[g]));                    \
-                s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(quad[g + 1]));            \
-            }                                                                                      \
-            int32_t A = x->A[(m0 + r) * (x->K / 32) + b];                                          \
-            __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(z * A));    \
-            __m512 s = _mm512_set1_ps(x->s[(m0 + r) * (x->K / 32) + b]);                           \
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(sum), acc[r]);        \
-            if (has_m) acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(m, s), _mm512_set1_ps((float)A), acc[r]); \
-        }                                                                                          \
-    }                                                                                              \
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + r * NR, acc[r]);                        \
+/* R rows x P panels, every block: each panel's block is unpacked once and meets each row. Inlined
+ * into one function per (R, P, type), so the row and panel loops unroll and the type's branches go. */
+static inline __attribute__((always_inline)) void qtile_body(const struct qrows* x, long m0, const uint8_t* panel,
+                                                             long pbytes, int wtype, float* acc_out, const int R,
+                                                             const int P) {
+    __m512 acc[QROWS][2];
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    long nb = x->K / 32, bytes = qblock_bytes(wtype);
+    int z = qzero(wtype), q4 = wtype != Q8_0, has_m = wtype == Q4_1;
+    for (long b = 0; b < nb; b++) {
+        __m512 d[2], m[2];
+        __m512i w[2][8];
+        for (int p = 0; p < P; p++) {
+            const uint8_t* blk = panel + p * pbytes + b * bytes;
+            d[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+            m[p] = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d[p];
+            const uint8_t* codes = blk + (has_m ? 64 : 32);
+            if (q4) {
+                __m512i lo = _mm512_set1_epi8(15);
+                for (int v = 0; v < 4; v++) {
+                    __m512i raw = _mm512_loadu_si512((const void*)(codes + v * 64));
+                    w[p][v] = _mm512_and_si512(raw, lo);
+                    w[p][4 + v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo);
+                }
+            } else {
+                for (int g = 0; g < 8; g++) w[p][g] = _mm512_loadu_si512((const void*)(codes + g * 64));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+            long at = (m0 + r) * nb + b;
+            __m512 s = _mm512_set1_ps(x->s[at]);
+            __m512i zA = _mm512_set1_epi32(z * x->A[at]);
+            __m512 sA = _mm512_set1_ps(x->sA[at]);
+            for (int p = 0; p < P; p++) {
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[p][g], _mm512_set1_epi32(quad[g]));
+                    s1 = _mm512_dpbusd_epi32(s1, w[p][g + 1], _mm512_set1_epi32(quad[g + 1]));
+                }
+                __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), zA);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], s), _mm512_cvtepi32_ps(sum), acc[r][p]);
+                if (has_m) acc[r][p] = _mm512_fmadd_ps(m[p], sA, acc[r][p]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) _mm512_storeu_ps(acc_out + r * 2 * NR + p * NR, acc[r][p]);
 }
+#define QPANELS(R) ((R) <= 4 ? 2 : 1)
+#define QTILE_TYPE(R, NAME, TYPE)                                                                  \
+static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t* panel, long pbytes, float* acc) { \
+    qtile_body(x, m0, panel, pbytes, TYPE, acc, R, 1);                                             \
+}                                                                                                  \
+static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t* panel, long pbytes, float* acc) { \
+    qtile_body(x, m0, panel, pbytes, TYPE, acc, R, 2);                                             \
+}
+#define QTILE(R) QTILE_TYPE(R, q8_0, Q8_0) QTILE_TYPE(R, q4_0, Q4_0) QTILE_TYPE(R, q4_1, Q4_1)
 #else
 #define QROWS 4
 #if defined(__AVX2__) && defined(__FMA__)
@@ -673,8 +703,11 @@ static inline void qsums(const uint8_t* codes, int wtype, const int8_t* a, int32
 #define SD_QVECTOR "portable"
 #define qsums qsums_portable
 #endif
-#define QTILE(R)                                                                                   \
-static void qtile_##R(const struct qrows* x, long m0, const uint8_t* panel, int wtype, float* acc_out) { \
+#define QPANELS(R) 1
+#define QTILE_TYPE(R, NAME, WTYPE)                                                                 \
+static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t* panel, long pbytes,     \
+                                   float* acc_out) {                                               \
+    const int wtype = WTYPE; (void)pbytes;                                                         \
     float acc[R][16];                                                                              \
     memset(acc, 0, sizeof(acc));                                                                   \
     long nb = x->K / 32, bytes = qblock_bytes(wtype);                                              \
@@ -691,24 +724,39 @@ static void qtile_##R(const struct qrows* x, long m0, const uint8_t* panel, int 
             long at = (m0 + r) * nb + b;                                                           \
             int32_t sums[16];                                                                      \
             qsums(codes, wtype, x->a + (m0 + r) * x->K + b * 32, sums);                            \
-            float s = x->s[at], A = (float)x->A[at];                                               \
+            float s = x->s[at], sA = x->sA[at];                                                    \
             for (int j = 0; j < 16; j++) {                                                         \
                 acc[r][j] = fmaf(d[j] * s, (float)(sums[j] - z * x->A[at]), acc[r][j]);            \
-                if (has_m) acc[r][j] = fmaf(m[j] * s, A, acc[r][j]);                               \
+                if (has_m) acc[r][j] = fmaf(m[j], sA, acc[r][j]);                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-    for (int r = 0; r < R; r++) memcpy(acc_out + r * NR, acc[r], sizeof(acc[r]));                  \
+    for (int r = 0; r < R; r++) memcpy(acc_out + r * 2 * NR, acc[r], sizeof(acc[r]));              \
 }
+#define QTILE(R) QTILE_TYPE(R, q8_0, Q8_0) QTILE_TYPE(R, q4_0, Q4_0) QTILE_TYPE(R, q4_1, Q4_1)
+#define qtile_q8_0_1_2 0  /* one panel per tile here */
+#define qtile_q4_0_1_2 0
+#define qtile_q4_1_1_2 0
+#define qtile_q8_0_2_2 0
+#define qtile_q4_0_2_2 0
+#define qtile_q4_1_2_2 0
+#define qtile_q8_0_3_2 0
+#define qtile_q4_0_3_2 0
+#define qtile_q4_1_3_2 0
+#define qtile_q8_0_4_2 0
+#define qtile_q4_0_4_2 0
+#define qtile_q4_1_4_2 0
 #endif
-typedef void (*qtile_fn)(const struct qrows*, long, const uint8_t*, int, float*);
+typedef void (*qtile_fn)(const struct qrows*, long, const uint8_t*, long, float*);
 QTILE(1) QTILE(2) QTILE(3) QTILE(4)
+#define QENTRY(R) {{qtile_q8_0_##R##_1, qtile_q4_0_##R##_1, qtile_q4_1_##R##_1},                        \
+                   {qtile_q8_0_##R##_2, qtile_q4_0_##R##_2, qtile_q4_1_##R##_2}},
 #if QROWS == 16
 QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12) QTILE(13) QTILE(14) QTILE(15) QTILE(16)
-static const qtile_fn qtiles[17] = {0, qtile_1, qtile_2, qtile_3, qtile_4, qtile_5, qtile_6, qtile_7, qtile_8,
-                                    qtile_9, qtile_10, qtile_11, qtile_12, qtile_13, qtile_14, qtile_15, qtile_16};
+static const qtile_fn qtiles[17][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4) QENTRY(5) QENTRY(6)
+    QENTRY(7) QENTRY(8) QENTRY(9) QENTRY(10) QENTRY(11) QENTRY(12) QENTRY(13) QENTRY(14) QENTRY(15) QENTRY(16)};
 #else
-static const qtile_fn qtiles[5] = {0, qtile_1, qtile_2, qtile_3, qtile_4};
+static const qtile_fn qtiles[5][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4)};
 #endif
 const char* sd_qvector(void) { return SD_QVECTOR; }
 
@@ -717,15 +765,22 @@ static void qlinear_part(void* arg, int part, int parts) {
     struct qlinear_job* j = arg;
     long panels = (j->N + NR - 1) / NR, pbytes = (j->x.K / 32) * qblock_bytes(j->wtype);
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
-    float acc[QROWS * NR];
+    float acc[QROWS * 2 * NR];
     long blocks = (j->M + QROWS - 1) / QROWS;
-    for (long p = p0; p < p1; p++)  /* a panel (a few KiB) stays in L1 while every row block uses it */
+    /* Groups of 8 panels (a few KiB each) stay in L2 while every row block uses them. */
+    for (long p = p0; p < p1; p += 8) {
+        long end = p + 8 < p1 ? p + 8 : p1;
         for (long b = 0; b < blocks; b++) {
             long m0 = j->M * b / blocks;
             int R = (int)(j->M * (b + 1) / blocks - m0);
-            qtiles[R](&j->x, m0, j->wp + p * pbytes, j->wtype, acc);
-            finish_tile(&j->out, acc, NR, m0, R, p * NR, NR);
+            for (long q = p; q < end;) {
+                int P = QPANELS(R) < end - q ? QPANELS(R) : (int)(end - q);
+                qtiles[R][P - 1][j->wtype - Q8_0](&j->x, m0, j->wp + q * pbytes, pbytes, acc);
+                finish_tile(&j->out, acc, 2 * NR, m0, R, q * NR, P * NR);
+                q += P;
+            }
         }
+    }
 }
 
 /* sd_linear with quantized weights: x [M, K] (K a multiple of 32) times the packed wq -> y [M, N];
@@ -734,21 +789,22 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
                 const void* bias, const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
     if (K % 32 || !sd_qblock_bytes(wtype)) return 2;
     long nb = K / 32;
-    size_t bytes = sizeof(float) * (size_t)(M * K + M + M * nb) + sizeof(int32_t) * (size_t)(M * nb) + (size_t)(M * K);
+    size_t bytes = sizeof(float) * (size_t)(M * K + M + 2 * M * nb) + sizeof(int32_t) * (size_t)(M * nb) + (size_t)(M * K);
     char* work = malloc(bytes + 64);
     if (!work) return 1;
     float* xf = (float*)work;
     float* scale = xf + M * K;
     float* s = scale + M;
-    int32_t* A = (int32_t*)(s + M * nb);
+    float* sA = s + M * nb;
+    int32_t* A = (int32_t*)(sA + M * nb);
     int8_t* a = (int8_t*)(A + M * nb);
     for (long m = 0; m < M; m++) {
         widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
         if (norm_eps >= 0) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
-        quantize_row(xf + m * K, gain, K, a + m * K, s + m * nb, A + m * nb);
+        quantize_row(xf + m * K, gain, K, a + m * K, s + m * nb, A + m * nb, sA + m * nb);
     }
-    struct qlinear_job job = {wq, wtype, M, N, {a, s, A, K}, {bias, residual, y, N, ldr, ldy, dtype,
-                                                             norm_eps >= 0 ? scale : NULL}};
+    struct qlinear_job job = {wq, wtype, M, N, {a, s, A, sA, K}, {bias, residual, y, N, ldr, ldy, dtype,
+                                                                 norm_eps >= 0 ? scale : NULL}};
     long panels = (N + NR - 1) / NR;
     int parts = M * K * N / 4 >= parallel_threshold ? active_threads : 1;
     if (parts > panels) parts = (int)panels;
