@@ -159,3 +159,24 @@ def test_a_damaged_gguf_file_is_one_line(tmp_path, quantized_file):
     with pytest.raises(ModelLoadError) as error:
         load_target(broken, backend="native")
     assert "\n" not in str(error.value)
+
+
+def test_feature_drafters_beside_a_quantized_target_run_quantized_and_exact(quantized_file, tmp_path):
+    """EAGLE-1/3 and DFlash networks are block-quantized (Q8_0) beside a quantized target, the head they
+    share with it is its own packed matrix, and speculation stays equal to plain decoding."""
+    from test_dflash import random_dflash
+    from test_feature_drafters import random_drafters
+
+    from specdec.drafters import DFlash, Eagle
+
+    target = load_target(quantized_file, backend="native")
+    dirs = random_drafters(target, tmp_path)
+    drafters = [Eagle(dirs["eagle"], version=1), Eagle(dirs["eagle3"], version=3),
+                DFlash(random_dflash(target, tmp_path / "dflash"))]
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61]]
+    plain = generate(target, prompts, max_new_tokens=20).token_ids
+    for drafter in drafters:
+        assert generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20).token_ids == plain
+        core = drafter.runtime(target).core
+        assert isinstance(core.layers[0].gate_up, QMatrix) and isinstance(core.head, QMatrix)
+    assert drafters[0].runtime(target).core.head.packed is target.backend.model.head.packed

@@ -85,3 +85,23 @@ def test_medusa_tree_building_follows_accuracy():
     tree = tm.build_tree(ranks, 3)
     assert tree == [(0,), (1,), (0, 0)]
     assert tm.tree_tau(ranks, tree) == pytest.approx(1 + (2 + 1 + 1 + 2 + 0) / 5)
+
+
+def test_eagle3_head_can_start_from_the_target(tmp_path):
+    """head_from_target: the head begins as the target's rows of the draft vocabulary (one step of a small
+    learning rate later, still within a hair of them) and its norm as the target's final norm."""
+    from safetensors.torch import load_file
+
+    from specdec.train.loop import OptimConfig
+
+    config = replace(te.PRESETS["tiny"], draft_vocab_size=512, head_from_target=True,
+                     optim=OptimConfig(steps=1, lr=1e-6, warmup_steps=1, eval_every=1, ckpt_every_steps=1))
+    te.train_eagle(config, zoo_path("target"), tmp_path / "out", **QUIET)
+    drafter = Eagle(tmp_path / "out", version=3)
+    target = specdec.load_target(zoo_path("target"), backend="hf")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    head = saved["lm_head.weight"].float()
+    rows = target.output_head()[drafter.net.draft_ids()]
+    assert (head - rows).abs().max() < 1e-2 and not torch.equal(head, torch.zeros_like(head))
+    norm = saved["norm.weight"]
+    assert (norm.float() - target.model.model.norm.weight).abs().max() < 1e-2

@@ -20,7 +20,7 @@ import torch
 
 from specdec.batch import Sequences, cat_rows
 from specdec.errors import InvalidArgumentError
-from specdec.models import dflash
+from specdec.models import dflash, llama
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.drafters.eagle import check_target, require_kernels
@@ -58,8 +58,8 @@ class DFlash:
         key = (id(target), target.backend.dtype)
         if key not in self._runtimes:
             require_kernels(target, "DFlash drafters")
-            self._runtimes = {key: dflash.DFlashRuntime(self.net, target.input_embeddings(), target.output_head(),
-                                                        target.backend.dtype)}
+            self._runtimes = {key: dflash.DFlashRuntime(self.net, target.input_embeddings(), target,
+                                                        target.backend.dtype, llama.drafter_qtype(target))}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":

@@ -17,7 +17,7 @@ import torch
 
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
-from specdec.models import eagle, kernels
+from specdec.models import eagle, kernels, llama
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.drafters.tree import dynamic_tree
@@ -52,8 +52,8 @@ class Eagle:
         key = (id(target), dtype)
         if key not in self._runtimes:
             require_kernels(target, "EAGLE drafters")
-            self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(),
-                                                      target.output_head() if self.version == 1 else None, dtype)}
+            self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(), target, dtype,
+                                                      llama.drafter_qtype(target))}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":

@@ -301,7 +301,9 @@ def hf_assistant(net: DFlashNet, target_config, dtype: torch.dtype = torch.float
 class DFlashRuntime:
     """The network's weights packed for the kernels, with the target's embedding and LM head."""
 
-    def __init__(self, net: DFlashNet, embed: torch.Tensor, target_head: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, net: DFlashNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None):
+        """``target``: whose LM head it reads; ``qtype``: block-quantize the network's matrices (beside a
+        quantized target, ``llama.drafter_qtype``)."""
         config = self.config = net.config
         state = {name: value.detach().float() for name, value in net.state_dict().items()}
         self.dtype = dtype
@@ -310,14 +312,15 @@ class DFlashRuntime:
             return state[name] if required or name in state else None
 
         layers = [llama.pack_layer(get, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads,
-                                   config.head_dim, dtype, input_norm=False) for i in range(config.num_hidden_layers)]
+                                   config.head_dim, dtype, input_norm=False, qtype=qtype)
+                  for i in range(config.num_hidden_layers)]
         self.input_norms = [state[f"layers.{i}.input_layernorm.weight"].to(dtype)
                             for i in range(config.num_hidden_layers)]
-        self.fc = llama.matrix(state["fc.weight"], dtype)
+        self.fc = llama.matrix(state["fc.weight"], dtype, qtype=qtype)
         self.hidden_norm = state["hidden_norm.weight"].to(dtype)
         self.eps = config.rms_norm_eps
-        self.core = llama.drafter_core(config, embed, layers,
-                                       llama.matrix(target_head.float(), dtype, state["norm.weight"]), dtype)
+        self.core = llama.drafter_core(config, embed, layers, llama.head_matrix(target, dtype, state["norm.weight"], qtype),
+                                       dtype)
 
     def new_cache(self, batch_size: int, capacity: int | None) -> "ContextCache":
         return ContextCache(self, batch_size, capacity)

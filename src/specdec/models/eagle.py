@@ -329,7 +329,9 @@ def load_net(path: str | os.PathLike, expect_version: int | None = None) -> Eagl
 class EagleRuntime:
     """The network's weights packed for the kernels, plus the target's embedding (and head, EAGLE-1)."""
 
-    def __init__(self, net: EagleNet, embed: torch.Tensor, target_head: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, net: EagleNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None):
+        """``target``: whose head EAGLE-1 reads; ``qtype``: block-quantize the network's matrices (beside a
+        quantized target, ``llama.drafter_qtype``)."""
         config = self.config = net.config
         state = {name: value.detach().float() for name, value in net.state_dict().items()}
         self.dtype = dtype
@@ -341,18 +343,18 @@ class EagleRuntime:
             return state[name]
 
         layer = llama.pack_layer(get, prefix, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                                 dtype, input_norm=False)
+                                 dtype, input_norm=False, qtype=qtype)
         if config.version == 3:
-            head = llama.matrix(state["lm_head.weight"], dtype, state["norm.weight"])
+            head = llama.matrix(state["lm_head.weight"], dtype, state["norm.weight"], qtype)
             self.in_norm = state[prefix + "input_layernorm.weight"].to(dtype)
             self.hidden_norm = state[prefix + "hidden_norm.weight"].to(dtype)
             self.draft_ids = net.draft_ids().clone()
             self.head_eps = config.rms_norm_eps
         else:
-            head = llama.matrix(target_head.float(), dtype)
+            head = llama.head_matrix(target, dtype, None, qtype)
             self.draft_ids = None
             self.head_eps = None
-        self.fc = llama.matrix(state["fc.weight"], dtype)
+        self.fc = llama.matrix(state["fc.weight"], dtype, qtype=qtype)
         self.fc_bias = llama.small(state.get("fc.bias"), dtype)
         self.core = llama.drafter_core(config, embed, [layer], head, dtype)
 

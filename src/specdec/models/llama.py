@@ -560,14 +560,38 @@ def small(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype).contiguous()
 
 
-def matrix(w: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor | None = None) -> Matrix:
-    """[out, in] -> packed [in, out], the weight of the norm before it folded into its rows (in float32)."""
+def matrix(w: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor | None = None,
+           qtype: str | None = None) -> Matrix | QMatrix:
+    """[out, in] -> packed [in, out], the weight of the norm before it folded into its rows (in float32);
+    with ``qtype`` (a drafter beside a quantized target) block-quantized instead where the input size
+    allows, the norm's weight kept as the matrix's gain."""
+    if qtype is not None and w.shape[1] % 32 == 0:
+        return QMatrix.quantize(w, qtype, None if norm is None else norm.float())
     w = w.t() if norm is None else w.t() * norm[:, None]
     return Matrix.pack(w.to(dtype))
 
 
+def head_matrix(target, dtype: torch.dtype, norm: torch.Tensor | None = None, qtype: str | None = None):
+    """The target's LM head [V, H] (``target``: a Target, or the head's weight itself) for a drafter that
+    reuses it, after the drafter's own ``norm``: a quantized target's head is shared as it is (its packed
+    blocks, the drafter's gain), else packed as ``matrix``."""
+    if isinstance(target, torch.Tensor):
+        return matrix(target.float(), dtype, norm, qtype)
+    head = target.backend.model.head if target.model is None else None
+    if isinstance(head, QMatrix):
+        return QMatrix(head.packed, head.rows, head.cols, head.qtype,
+                       torch.ones(head.rows) if norm is None else norm.float().contiguous())
+    return matrix(target.output_head().float(), dtype, norm, qtype)
+
+
+def drafter_qtype(target) -> str | None:
+    """The weight format of drafter networks beside ``target``: Q8_0 when its own weights are quantized
+    (the drafter's rounding never changes the output, only its cost), else None (the target's dtype)."""
+    return "Q8_0" if getattr(target.backend, "quantized_types", ()) else None
+
+
 def pack_layer(get, at: str, heads: int, kv: int, dim: int, dtype: torch.dtype, window: Window = FULL,
-               input_norm: bool = True) -> Layer:
+               input_norm: bool = True, qtype: str | None = None) -> Layer:
     """One decoder layer from HF-named float32 tensors (``get(name, required=True)``, names under ``at``),
     in the kernels' layout; shared by the native target and the drafter networks.
 
@@ -599,13 +623,14 @@ def pack_layer(get, at: str, heads: int, kv: int, dim: int, dtype: torch.dtype, 
     inner = gate.shape[0]
     return Layer(
         qkv=matrix(torch.cat([q, k, get(a + "v_proj.weight")]), dtype,
-                   get(at + "input_layernorm.weight") if input_norm else None),
+                   get(at + "input_layernorm.weight") if input_norm else None, qtype),
         qkv_bias=small(qkv_bias, dtype), q_norm=small(q_norm, dtype), k_norm=small(k_norm, dtype),
-        o=matrix(group_major(get(a + "o_proj.weight").t(), kv, dim).t(), dtype),
+        o=matrix(group_major(get(a + "o_proj.weight").t(), kv, dim).t(), dtype, qtype=qtype),
         o_bias=small(get(a + "o_proj.bias", required=False), dtype),
-        gate_up=matrix(torch.cat([gate, get(m + "up_proj.weight")]), dtype, get(at + "post_attention_layernorm.weight")),
+        gate_up=matrix(torch.cat([gate, get(m + "up_proj.weight")]), dtype, get(at + "post_attention_layernorm.weight"),
+                       qtype),
         gate_up_bias=small(joined([m + "gate_proj.bias", m + "up_proj.bias"], [inner] * 2), dtype),
-        down=matrix(get(m + "down_proj.weight"), dtype), down_bias=small(get(m + "down_proj.bias", required=False), dtype),
+        down=matrix(get(m + "down_proj.weight"), dtype, qtype=qtype), down_bias=small(get(m + "down_proj.bias", required=False), dtype),
         window=window)
 
 

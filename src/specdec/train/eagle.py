@@ -53,6 +53,7 @@ class EagleTrainConfig(DataRecipe):
     v_weight: float = 1.0
     p_weight: float = 0.1
     ttt_decay: float = eagle.TTT_DECAY
+    head_from_target: bool = False  # EAGLE-3: start the head (and its norm) from the target's rows of the draft vocabulary
 
 
 PRESETS: dict[str, EagleTrainConfig] = {
@@ -63,11 +64,13 @@ PRESETS: dict[str, EagleTrainConfig] = {
     # as labels, features cached; sized for about 100 minutes on 2 cores (docs/real-target.md).
     "eagle3-sharegpt": EagleTrainConfig(batch_size=8, train_sequences=1536, heldout_sequences=48, prefix_len=256,
                                         generated_len=256, source="sharegpt", draft_vocab_size=8192,
+                                        head_from_target=True,
                                         optim=OptimConfig(steps=480, lr=2e-3, warmup_steps=30, eval_every=120,
                                                           ckpt_every_steps=20, bfloat16=True)),
     # The same on the target's own answers to ShareGPT's first user turns (half greedy, half sampled).
     "eagle3-sharegpt-self": EagleTrainConfig(batch_size=8, train_sequences=768, heldout_sequences=48, prefix_len=256,
                                              generated_len=192, source="sharegpt-self", draft_vocab_size=8192,
+                                             head_from_target=True,
                                              optim=OptimConfig(steps=150, lr=2e-3, warmup_steps=15, eval_every=75,
                                                                ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
@@ -178,6 +181,12 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
         _, valid = train.batch(torch.arange(train.tokens.shape[0]))
         coverage = float(net.t2d[train.tokens[valid]].float().mean())
     frozen = run.frozen(shape.hidden_layers())
+    if config.version == 3 and config.head_from_target and not resume:
+        # The target's own map from its last hidden state to tokens, restricted to the draft vocabulary:
+        # the drafter then learns only to predict that state, not the token space as well.
+        with torch.no_grad():
+            net.lm_head.weight.copy_(frozen.head[net.draft_ids()])
+            net.norm.weight.copy_(frozen.model.model.norm.weight)
     objective = Objective(config, frozen, shape.hidden_layers())
 
     run_config = {"kind": "eagle", "eagle": config_to_dict(config), "target": target.fingerprint()}
