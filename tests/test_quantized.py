@@ -17,6 +17,7 @@ from specdec.backends.target import load_target
 from specdec.commands.gguf import export
 from specdec.commands.tiny import save_tiny
 from specdec.drafters.prompt_lookup import PromptLookup
+from specdec.drafters.tree import TreeConfig
 from specdec.engine import generate
 from specdec.errors import ModelLoadError
 from specdec.models import kernels
@@ -60,9 +61,9 @@ def test_a_row_keeps_its_bits_in_every_block(qtype, threads):
     lib.sd_set_threads(threads)
     lib.sd_set_parallel_threshold(1 if threads > 1 else 1 << 22)
     try:
-        w, x, residual, bias = product_case(qtype, 33)
-        alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(33)])
-        for rows in (2, 3, 5, 16, 17, 33):
+        w, x, residual, bias = product_case(qtype, 64)
+        alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(64)])
+        for rows in (2, 3, 5, 16, 17, 33, 64):
             assert torch.equal(run(x[:rows], w, residual[:rows], bias), alone[:rows]), rows
     finally:
         lib.sd_set_threads(torch.get_num_threads())
@@ -180,3 +181,28 @@ def test_feature_drafters_beside_a_quantized_target_run_quantized_and_exact(quan
         core = drafter.runtime(target).core
         assert isinstance(core.layers[0].gate_up, QMatrix) and isinstance(core.head, QMatrix)
     assert drafters[0].runtime(target).core.head.packed is target.backend.model.head.packed
+
+
+@pytest.mark.parametrize("quantize", ["q8_0", "q4_0", "q4_1"])
+def test_a_float_model_quantized_at_load_runs_exactly(quantize, model_dirs):
+    target = load_target(model_dirs["llama"], backend="native", quantize=quantize)
+    assert target.backend.quantized_types == (quantize.upper(),)
+    draft = load_target(model_dirs["llama"], backend="native")          # the float model drafting for it
+    from specdec.drafters.draft_model import DraftModel
+
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61], [3] * 12]
+    plain = generate(target, prompts, max_new_tokens=24)
+    spec = generate(target, prompts, drafter=DraftModel(draft), num_draft_tokens=4, max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids and spec.stats.drafts_accepted > 0
+    tree = generate(target, prompts, drafter=DraftModel(draft), max_new_tokens=24,
+                    tree=TreeConfig(depth=3, topk=2, num_nodes=6))              # a tree over a ragged batch
+    assert tree.token_ids == plain.token_ids
+
+
+def test_quantize_is_refused_where_it_cannot_run(model_dirs):
+    from specdec.errors import InvalidArgumentError, UnsupportedModelError
+
+    with pytest.raises(InvalidArgumentError, match="native backend"):
+        load_target(model_dirs["llama"], backend="hf", quantize="q8_0")
+    with pytest.raises(UnsupportedModelError, match="unknown quantization"):
+        load_target(model_dirs["llama"], backend="native", quantize="q5_k")

@@ -78,3 +78,23 @@ def test_wrong_target_and_bad_folders_are_refused(real_dir, tmp_path, capsys):
                      "--max-new-tokens", "4"])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("specdec: error:"), err
+
+
+def test_the_gguf_file_run_quantized_keeps_every_drafter_exact(real_dir, prompts):
+    """smollm2-135m-q4_1: the shipped file's Q4_1 and Q8_0 tensors run as they are. The drafters trained for
+    the float folder recognise it (no "another target" warning) and stay equal to its plain decoding."""
+    import warnings
+
+    from specdec.drafters.registry import build
+
+    torch.set_num_threads(2)
+    target = specdec.load_target(f"{REAL}-q4_1")
+    assert target.backend.quantized_types == ("Q4_1", "Q8_0")
+    ids = target.encode(prompts)
+    plain = specdec.generate(target, ids, max_new_tokens=24)
+    for folder in FOLDERS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = specdec.generate(target, ids, drafter=build(folder.name, zoo_path(f"{REAL}-q4_1/{folder.name}")),
+                                   num_draft_tokens=3, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids, folder.name

@@ -283,8 +283,8 @@ class NativeBackend:
 
     @classmethod
     def load(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "NativeBackend":
-        return cls(llama.load(path, dtype, device))
+             device: str | torch.device = "cpu", quantize: str | None = None) -> "NativeBackend":
+        return cls(llama.load(path, dtype, device, quantize))
 
     @staticmethod
     def supports(path_or_config) -> str | None:

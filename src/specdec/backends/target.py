@@ -162,8 +162,10 @@ def weights_fingerprint(embed: torch.Tensor, head: torch.Tensor) -> str:
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-                device: str | torch.device = "cpu", backend: str = "auto") -> Target:
-    """Load a local Hugging Face causal-LM directory (config, weights, tokenizer), offline.
+                device: str | torch.device = "cpu", backend: str = "auto", quantize: str | None = None) -> Target:
+    """Load a local Hugging Face causal-LM directory (config, weights, tokenizer), offline; or a GGUF file
+    (its quantized weights run as they are on the native backend). ``quantize`` (q8_0, q4_0, q4_1):
+    block-quantize the matrices at load (native backend only).
 
     ``backend``: "native" runs specdec's own forward pass (Llama, Qwen2, Qwen3, Mistral), "hf" runs
     transformers' model, "auto" picks native where it is supported and transformers elsewhere.
@@ -171,7 +173,7 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     path = resolve_model(path)
-    runner, model = load_backend(path, dtype, device, backend)
+    runner, model = load_backend(path, dtype, device, backend, quantize)
     target = Target(model=model, tokenizer=hf.load_tokenizer(path), name=str(path), backend=runner,
                     generation_config=hf.load_generation_config(path) if model is None else None, path=str(path))
     if model is None and target.generation_config is not None:
@@ -184,18 +186,21 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     return target
 
 
-def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: str = "auto"):
+def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: str = "auto",
+                 quantize: str | None = None):
     """(backend, transformers model or None) for a model directory; shared by targets and draft models."""
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     path = resolve_model(path)
     hf.check_model_dir(path)
+    if quantize is not None and backend == "hf":
+        raise InvalidArgumentError(f"--quantize {quantize} runs on the native backend, not on transformers")
     if backend != "hf":
         from specdec.backends.native import NativeBackend
         reason = NativeBackend.supports(path) or NativeBackend.supports_run(dtype, device)
         if reason is None:
-            return NativeBackend.load(path, dtype=dtype, device=device), None
-        if backend == "native":
+            return NativeBackend.load(path, dtype=dtype, device=device, quantize=quantize), None
+        if backend == "native" or quantize is not None:
             from specdec.models.llama import SUPPORTED
             raise UnsupportedModelError(f"the native backend cannot run {path}: {reason}; it runs {SUPPORTED}")
     model = hf.load_causal_lm(path, dtype=dtype, device=device)

@@ -668,7 +668,8 @@ def run_bench_command(args) -> int:
     requested = [(name, folder) for name, folder in requested if not REGISTRY[name].zoo_variant]
     engines, variants = [], []
     for backend in dict.fromkeys(args.backend):
-        target = load_target(args.target, dtype=args.dtype, backend=backend)
+        target = load_target(args.target, dtype=args.dtype, backend=backend,
+                             quantize=args.quantize if backend != "hf" else None)
         draft = make_drafter("draft-model", args, backend=backend) if args.draft else None
         if draft is not None:
             draft.check_compatible(target)

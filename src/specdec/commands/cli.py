@@ -86,7 +86,7 @@ def run_generate(args) -> int:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR"
                                    + (f" (the zoo's: specdec.zoo.zoo_path({entry.zoo!r}))" if entry.zoo else ""))
     check_output_path(args.output)
-    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
     drafter = make_drafter(args.drafter, args)
     if args.k is None and args.sglang_draft_tokens is None:  # the drafter's own k and tree (DFlash: its block - 1)
         config = dataclasses.replace(config, num_draft_tokens=default_draft_tokens(drafter),

@@ -32,6 +32,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
                         help="the drafter's folder (draft-model, medusa, eagle, eagle3, dflash)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--quantize", choices=("q8_0", "q4_0", "q4_1"), default=None,
+                        help="block-quantize the target's matrices at load and run them with int8 activations "
+                             "(native backend; a GGUF file's quantized tensors run as they are without it)")
     if several_backends:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
                             help="forward pass(es) to measure: native (specdec's own, Llama family), hf "

@@ -152,7 +152,7 @@ def run_serve(args) -> int:
         parse_policy(policy)  # a bad policy: one line before any model loads
     sock = listen(args.host, args.port)
     started = time.perf_counter()
-    target = load_target(args.target, dtype=args.dtype, backend=args.backend)
+    target = load_target(args.target, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
     engine, _ = build_engine(target, args.drafter, args, policy, **engine_options(args))
     app = create_app(engine, target, args.served_model_name or Path(args.target).name, template)
     name = app.state.server.model_name

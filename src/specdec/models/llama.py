@@ -371,12 +371,22 @@ def group_major(w: torch.Tensor, kv_heads: int, dim: int) -> torch.Tensor:
     return w.reshape(heads, dim, *w.shape[1:])[order].reshape(w.shape)
 
 
+QUANTIZE = ("q8_0", "q4_0", "q4_1")
+
+
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-         device: str | torch.device = "cpu") -> Llama:
-    """Read an HF Llama-family directory into a ``Llama``; UnsupportedModelError names what runs."""
+         device: str | torch.device = "cpu", quantize: str | None = None) -> Llama:
+    """Read an HF Llama-family directory into a ``Llama``; UnsupportedModelError names what runs.
+
+    ``quantize`` (q8_0, q4_0, q4_1): block-quantize every matrix whose input size is a multiple of 32
+    (as llama.cpp's reference quantizer does) and run it with int8 activations; the embedding stays
+    in ``dtype``, activations and the KV cache too."""
     path = Path(path)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise UnsupportedModelError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZE)}")
+    qtype = quantize.upper() if quantize else None
     if path.is_dir() and gguf_weights(path) is not None:
-        return load_gguf(path, dtype, device)
+        return load_gguf(path, dtype, device, qtype)
     config = read_config(path)
     reason = unsupported(config) or unsupported_run(dtype, device)
     if reason:
@@ -392,13 +402,13 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             return None
         return weights[name].to(device=device, dtype=torch.float32)
 
-    layers = [pack_layer(get, f"model.layers.{index}.", heads, kv, dim, dtype, window=window)
+    layers = [pack_layer(get, f"model.layers.{index}.", heads, kv, dim, dtype, window=window, qtype=qtype)
               for index, window in enumerate(layer_windows(config))]
     embed = get("model.embed_tokens.weight")
     head = embed if getattr(config, "tie_word_embeddings", False) else get("lm_head.weight")
     final = get("model.norm.weight")
     model = Llama(config=config, embed=small(embed, dtype), layers=layers, norm=small(final, dtype),
-                  head=matrix(head, dtype, final), inv_freq=inverse_frequencies(config, dim).to(device), heads=heads,
+                  head=matrix(head, dtype, final, qtype), inv_freq=inverse_frequencies(config, dim).to(device), heads=heads,
                   kv_heads=kv, head_dim=dim, eps=float(config.rms_norm_eps),
                   lm_head=None if head is embed else small(head, dtype))
     bind_layers(model)
@@ -459,11 +469,12 @@ class Stored:
             out.kind, out.data = "F32", torch.cat([p.float() for p in parts])
         return out
 
-    def matrix(self, dtype: torch.dtype, norm: torch.Tensor | None = None) -> Matrix | QMatrix:
-        """Quantized: packed as it is, the norm's weight kept beside it; else ``matrix`` (folded)."""
+    def matrix(self, dtype: torch.dtype, norm: torch.Tensor | None = None, qtype: str | None = None) -> Matrix | QMatrix:
+        """Quantized: packed as it is, the norm's weight kept beside it; else ``matrix`` (folded, or
+        quantized to ``qtype``)."""
         if self.quantized:
             return QMatrix.from_gguf(self.data, self.kind, self.shape[1], self.shape[0], norm)
-        return matrix(self.data, dtype, norm)
+        return matrix(self.data, dtype, norm, qtype)
 
 
 def np_bytes(data):
@@ -481,10 +492,12 @@ def gguf_weights(path: Path) -> Path | None:
     return path / GGUF_WEIGHTS if (path / GGUF_WEIGHTS).is_file() else None
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              qtype: str | None = None) -> Llama:
     """A folder whose weights are a GGUF file (``gguf.link_folder``): Q8_0, Q4_0 and Q4_1 matrices stay
-    quantized (``QMatrix``, int8 activations); other types are read as float32 and run in ``dtype``.
-    The embedding is dequantized once for lookups; a tied head is the embedding's quantized matrix."""
+    quantized (``QMatrix``, int8 activations); other types are read as float32 and run in ``dtype``
+    (or quantized to ``qtype``). The embedding is dequantized once for lookups; a tied head is the
+    embedding's quantized matrix."""
     from specdec.models.gguf import half_split_rope_rows, raw_tensors
 
     path = Path(path)
@@ -518,16 +531,16 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
                           stored(at + "attn_v.weight")])
         gate_up = Stored.cat([stored(at + "ffn_gate.weight"), stored(at + "ffn_up.weight")])
         layers.append(Layer(
-            qkv=qkv.matrix(dtype, vector(at + "attn_norm.weight")), qkv_bias=None, q_norm=None, k_norm=None,
-            o=stored(at + "attn_output.weight").input_chunks(o_order).matrix(dtype), o_bias=None,
-            gate_up=gate_up.matrix(dtype, vector(at + "ffn_norm.weight")), gate_up_bias=None,
-            down=stored(at + "ffn_down.weight").matrix(dtype), down_bias=None, window=window))
+            qkv=qkv.matrix(dtype, vector(at + "attn_norm.weight"), qtype), qkv_bias=None, q_norm=None, k_norm=None,
+            o=stored(at + "attn_output.weight").input_chunks(o_order).matrix(dtype, None, qtype), o_bias=None,
+            gate_up=gate_up.matrix(dtype, vector(at + "ffn_norm.weight"), qtype), gate_up_bias=None,
+            down=stored(at + "ffn_down.weight").matrix(dtype, None, qtype), down_bias=None, window=window))
     embedding = stored("token_embd.weight")
     head = stored("output.weight") if "output.weight" in tensors else embedding
     final = vector("output_norm.weight")
     embed = embedding.float()
     model = Llama(config=config, embed=small(embed, dtype), layers=layers, norm=small(final, dtype),
-                  head=head.matrix(dtype, final), inv_freq=inverse_frequencies(config, dim), heads=heads,
+                  head=head.matrix(dtype, final, qtype), inv_freq=inverse_frequencies(config, dim), heads=heads,
                   kv_heads=kv, head_dim=dim, eps=float(config.rms_norm_eps),
                   lm_head=None if head is embedding else small(head.float(), dtype))
     bind_layers(model)
