@@ -206,3 +206,14 @@ def test_quantize_is_refused_where_it_cannot_run(model_dirs):
         load_target(model_dirs["llama"], backend="hf", quantize="q8_0")
     with pytest.raises(UnsupportedModelError, match="unknown quantization"):
         load_target(model_dirs["llama"], backend="native", quantize="q5_k")
+
+
+def test_cost_curve_states_the_machines_limit(model_dirs):
+    from specdec.commands.bench import COST_SIZES, cost_curve
+
+    target = load_target(model_dirs["llama"], backend="native", quantize="q8_0")
+    curve = cost_curve(target.backend, context=16)
+    limit = curve["limit"]
+    assert curve["weights"] == "Q8_0" and set(limit["ms"]) == {str(n) for n in COST_SIZES}
+    assert limit["weight_bytes"] > 0 and limit["bandwidth_gb_s"] > 0 and limit["peak_int8_gmac_s"] > 0
+    assert all(limit["ms"][str(a)] <= limit["ms"][str(b)] for a, b in zip(COST_SIZES, COST_SIZES[1:]))

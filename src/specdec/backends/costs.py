@@ -25,3 +25,48 @@ def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers
         times.append(time.perf_counter() - start)
         cache.truncate(cache.lengths - n)
     return statistics.median(times[3:])
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
+    """Bytes per second a sum over a buffer far larger than the caches streams from memory (torch's
+    threads): what reading every weight once per forward pass can at best run at."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def weight_work(model) -> dict:
+    """A native model's matrices: bytes stored, and multiply-adds per token in float and in int8."""
+    from specdec.models.kernels import QMatrix
+
+    matrices = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
+    work = {"bytes": 0, "float_macs": 0, "int8_macs": 0}
+    for m in matrices:
+        work["bytes"] += m.packed.numel() * m.packed.element_size()
+        work["int8_macs" if isinstance(m, QMatrix) else "float_macs"] += m.rows * m.cols
+    return work
+
+
+def machine_limit(backend, sizes, context: int) -> dict:
+    """The least a forward pass of n tokens can take here: the weights read once at the measured
+    bandwidth, or n tokens' multiply-adds at the vector units' measured peak (float32 FMAs for float
+    matrices, int8 dot products for quantized ones), whichever is longer; attention's work over
+    ``context`` columns is added to the latter."""
+    from specdec.models import kernels
+
+    model = backend.model
+    work = weight_work(model)
+    bandwidth = read_bandwidth()
+    peak_float = kernels.peak_macs(False)
+    peak_int8 = kernels.peak_macs(True) if work["int8_macs"] else 0.0
+    attention = 2 * len(model.layers) * model.heads * model.head_dim * context
+    per_token = (work["float_macs"] + attention) / peak_float + (work["int8_macs"] / peak_int8 if peak_int8 else 0.0)
+    stream = work["bytes"] / bandwidth
+    return {"weight_bytes": work["bytes"], "bandwidth_gb_s": bandwidth / 1e9, "peak_float_gmac_s": peak_float / 1e9,
+            "peak_int8_gmac_s": peak_int8 / 1e9, "stream_ms": 1e3 * stream,
+            "ms": {str(n): 1e3 * max(stream, n * per_token) for n in sizes}}

@@ -583,6 +583,16 @@ def format_table(result: dict) -> str:
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
             f"{n}: {ratio:.2f}" for n, ratio in curve["ratio"].items()) + f" (T(1) = {curve['ms']['1']:.2f} ms)")
+        limit = curve.get("limit")
+        if limit:
+            lines.append(
+                f"  the machine's limit ({curve['weights']} weights, {limit['weight_bytes'] / 2**20:.0f} MiB read at "
+                f"{limit['bandwidth_gb_s']:.1f} GB/s = {limit['stream_ms']:.2f} ms; vector peak "
+                f"{limit['peak_float_gmac_s']:.0f} GFMA/s float32" + (f", {limit['peak_int8_gmac_s']:.0f} GMAC/s int8"
+                                                                       if limit["peak_int8_gmac_s"] else "") + "):")
+            lines.append("  n      T(n) ms   limit ms   T/limit")
+            for n, ms in curve["ms"].items():
+                lines.append(f"  {n:<6} {ms:9.2f} {limit['ms'][n]:10.2f} {ms / limit['ms'][n]:9.2f}")
     return "\n".join(lines)
 
 
@@ -771,7 +781,14 @@ COST_SIZES = (1, 2, 4, 5, 8, 16, 17, 32, 64)  # 5 and 17: verifying k = 4 and k 
 
 
 def cost_curve(backend, context: int = 200) -> dict:
-    """T(n) for n new tokens at batch 1 after ``context`` tokens, and T(n)/T(1): the verification cost."""
+    """T(n) for n new tokens at batch 1 after ``context`` tokens, and T(n)/T(1): the verification cost;
+    on the native backend also this machine's limit for each n (``costs.machine_limit``)."""
+    from specdec.backends.costs import machine_limit
+
     times = {n: forward_time(backend, n, context) for n in COST_SIZES}
-    return {"context": context, "ms": {str(n): 1e3 * t for n, t in times.items()},
-            "ratio": {str(n): t / times[1] for n, t in times.items()}}
+    curve = {"context": context, "ms": {str(n): 1e3 * t for n, t in times.items()},
+             "ratio": {str(n): t / times[1] for n, t in times.items()}}
+    if hasattr(backend, "quantized_types"):
+        curve["limit"] = machine_limit(backend, COST_SIZES, context)
+        curve["weights"] = ", ".join(backend.quantized_types) or str(backend.dtype).removeprefix("torch.")
+    return curve

@@ -813,6 +813,94 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     return 0;
 }
 
+/* ---- the vector units' peak: independent multiply-add chains, no memory ------------------------
+ * `integer` 0: float32 FMAs of the width the products use; 1: the int8 dot products of the quantized
+ * products (VNNI, or AVX2's pair sums). Runs `iters` rounds of 12 chains on every active thread and
+ * returns a checksum (so the work is not optimised away); *macs receives the multiply-adds done. */
+struct peak_job { int integer; long iters; double sums[MAX_THREADS]; };
+static void peak_part(void* arg, int part, int parts) {
+    struct peak_job* j = arg;
+    double sum = 0;
+    (void)parts;
+#if defined(__AVX512F__)
+    if (!j->integer) {
+        __m512 acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps(1e-3f * (float)(i + part));
+        __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+        for (long t = 0; t < j->iters; t++)
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+        for (int i = 0; i < 12; i++) sum += _mm512_reduce_add_ps(acc[i]);
+        j->sums[part] = sum;
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (!j->integer) {
+        __m256 acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps(1e-3f * (float)(i + part));
+        __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
+        for (long t = 0; t < j->iters; t++)
+            for (int i = 0; i < 12; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+        float f[8];
+        for (int i = 0; i < 12; i++) { _mm256_storeu_ps(f, acc[i]); for (int l = 0; l < 8; l++) sum += f[l]; }
+        j->sums[part] = sum;
+        return;
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (j->integer) {
+        __m512i acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i + part);
+        __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+        for (long t = 0; t < j->iters; t++)
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+        for (int i = 0; i < 12; i++) sum += (double)_mm512_reduce_add_epi32(acc[i]);
+        j->sums[part] = sum;
+        return;
+    }
+#elif defined(__AVX2__)
+    if (j->integer) {
+        __m256i acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i + part);
+        __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+        for (long t = 0; t < j->iters; t++)
+            for (int i = 0; i < 12; i++)
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+        int32_t v[8];
+        for (int i = 0; i < 12; i++) { _mm256_storeu_si256((__m256i*)v, acc[i]); for (int l = 0; l < 8; l++) sum += v[l]; }
+        j->sums[part] = sum;
+        return;
+    }
+#endif
+    float acc[12];
+    for (int i = 0; i < 12; i++) acc[i] = 1e-3f * (float)(i + part);
+    for (long t = 0; t < j->iters; t++)
+        for (int i = 0; i < 12; i++) acc[i] = fmaf(acc[i], 0.999f, 1e-4f);
+    for (int i = 0; i < 12; i++) sum += acc[i];
+    j->sums[part] = sum;
+}
+static long peak_lanes(int integer) {
+#if defined(__AVX512F__)
+    if (!integer) return 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (!integer) return 8;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (integer) return 64;
+#elif defined(__AVX2__)
+    if (integer) return 32;
+#endif
+    return 1;
+}
+double sd_peak(int integer, long iters, double* macs) {
+    struct peak_job job = {integer, iters, {0}};
+    int parts = active_threads;
+    run_parallel(peak_part, &job, parts);
+    double sum = 0;
+    for (int p = 0; p < parts; p++) sum += job.sums[p];
+    *macs = (double)parts * (double)iters * 12.0 * (double)peak_lanes(integer);
+    return sum;
+}
+
 /* ---- RMSNorm with a weight, over rows of S elements (final norm, q/k norms) ----------------
  * rows x groups vectors: vector (r, g) starts at r * ld_row + g * ld_group, in x and in y.
  * y = (x * inv_rms) * weight. y may be x.

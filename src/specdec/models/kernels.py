@@ -137,6 +137,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, n],
         "sd_linear_q": [p, i, i, i, p, n, i, p, p, p, i, p, i, f, n],
         "sd_qblock_bytes": [n],
+        "sd_peak": [n, i, p],
         "sd_rms_norm": [p, p, i, i, i, i, i, p, f, n],
         "sd_rope": [p, i, i, i, i, p, p, n],
         "sd_silu_mul": [p, i, i, i, p, i, n],
@@ -153,6 +154,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.sd_vector.restype = ctypes.c_char_p
     lib.sd_qvector.restype = ctypes.c_char_p
     lib.sd_qblock_bytes.restype = ctypes.c_long
+    lib.sd_peak.restype = ctypes.c_double
     lib.sd_set_threads(torch.get_num_threads())
     return lib
 
@@ -201,6 +203,22 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(library().sd_has_half())
     return dtype in DTYPES
+
+
+def peak_macs(integer: bool, seconds: float = 0.2) -> float:
+    """Multiply-adds per second the vector units sustain on the kernels' threads: independent chains of
+    float32 FMAs (integer=False) or of the int8 dot products the quantized products use (True)."""
+    import time
+
+    lib, macs = library(), ctypes.c_double()
+    iters = 1 << 16
+    while True:
+        start = time.perf_counter()
+        lib.sd_peak(int(integer), iters, ctypes.byref(macs))
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return macs.value / elapsed
+        iters *= 2 if elapsed < seconds / 4 else 1 + int(seconds / max(elapsed, 1e-9))
 
 
 def set_threads(threads: int) -> int:
