@@ -217,3 +217,18 @@ def test_cost_curve_states_the_machines_limit(model_dirs):
     assert curve["weights"] == "Q8_0" and set(limit["ms"]) == {str(n) for n in COST_SIZES}
     assert limit["weight_bytes"] > 0 and limit["bandwidth_gb_s"] > 0 and limit["peak_int8_gmac_s"] > 0
     assert all(limit["ms"][str(a)] <= limit["ms"][str(b)] for a, b in zip(COST_SIZES, COST_SIZES[1:]))
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_float_gguf_files_load_directly(kind, wide_model, tmp_path):
+    """F32, F16 and BF16 tensors are read as float32 (an F32 file runs exactly as its folder does)."""
+    target = load_target(export(wide_model, tmp_path / f"t-{kind}.gguf", kind), backend="native")
+    folder = load_target(wide_model, backend="native")
+    assert target.backend.quantized_types == ()
+    tokens = torch.tensor([[5, 17, 33, 2, 9]])
+    ours = target.forward(target.new_cache(1), tokens, logits_to_keep=5)[0]
+    theirs = folder.forward(folder.new_cache(1), tokens, logits_to_keep=5)[0]
+    if kind == "f32":
+        assert torch.equal(ours, theirs)
+    else:
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()

@@ -38,7 +38,7 @@ import torch
 from specdec.errors import InvalidArgumentError, ModelLoadError, SpecdecError, UnsupportedModelError
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF -> GGUF
-DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 GPT2_PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split regex
 # GGUF token types (gguf.TokenType), as plain numbers so this module imports without gguf.
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
@@ -253,6 +253,7 @@ def export(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str
         writer = gguf.GGUFWriter(temporary, arch)
         writer.add_name(path.resolve().name)
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                              "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                               "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[dtype])
         writer.add_context_length(int(config.max_position_embeddings))
@@ -293,6 +294,10 @@ def export(model_dir: str | os.PathLike, out_path: str | os.PathLike, dtype: str
                 writer.add_tensor(name, quantize_blocks(tensor, kind).numpy(),
                                   raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
                 continue
+            if dtype == "bf16" and tensor.dim() > 1:
+                writer.add_tensor(name, tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy(),
+                                  raw_dtype=gguf.GGMLQuantizationType.BF16)
+                continue
             wide = dtype != "f32" and tensor.dim() > 1
             writer.add_tensor(name, tensor.to(torch.float16 if wide else torch.float32).contiguous().numpy())
         writer.write_header_to_file()
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", metavar="MODEL_DIR")
     parser.add_argument("out", metavar="OUT.gguf")
     parser.add_argument("--dtype", choices=DTYPES, default="f32",
-                        help="matrix precision: f32 (default), f16, or block-quantized q8_0, q4_0, q4_1 (matrices whose "
+                        help="matrix precision: f32 (default), f16, bf16, or block-quantized q8_0, q4_0, q4_1 (matrices whose "
                              "input size is a multiple of 32; vectors stay f32)")
     args = parser.parse_args(argv)
     try:
