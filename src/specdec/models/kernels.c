@@ -473,7 +473,9 @@ static void linear_part(void* arg, int part, int parts) {
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
  * of microseconds, and torch's own threads compete for the same cores between kernel calls. */
 static long parallel_threshold = 1L << 22;
+static long parallel_bytes = 1L << 19;  /* quantized weights: split a product reading at least this much */
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
+void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
 
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
               const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
@@ -806,7 +808,10 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     struct qlinear_job job = {wq, wtype, M, N, {a, s, A, sA, K}, {bias, residual, y, N, ldr, ldy, dtype,
                                                                  norm_eps >= 0 ? scale : NULL}};
     long panels = (N + NR - 1) / NR;
-    int parts = M * K * N / 4 >= parallel_threshold ? active_threads : 1;
+    /* Split when there are enough multiply-adds (int8 ones are about 4x cheaper than float32 FMAs), or
+       enough weight bytes that one row's pass is a stream from memory two cores read faster than one. */
+    long weight_bytes = panels * nb * qblock_bytes(wtype);
+    int parts = M * K * N / 4 >= parallel_threshold || weight_bytes >= parallel_bytes ? active_threads : 1;
     if (parts > panels) parts = (int)panels;
     run_parallel(qlinear_part, &job, parts);
     free(work);

@@ -146,6 +146,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_decoder_layer_from": [p, p, p, i, f, p, p],
         "sd_set_threads": [n],
         "sd_set_parallel_threshold": [i],
+        "sd_set_parallel_bytes": [i],
         "sd_set_spin": [i],
         "sd_greedy_accept": [p, i, i, i, i, i, p, i, p, p, p],
     }
