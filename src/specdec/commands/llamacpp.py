@@ -233,8 +233,12 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     specdec[f"specdec prompt-lookup k={k}"] = specdec_method(PromptLookup(), k)
 
     with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as scratch, ExitStack() as runners:
-        if gguf_path is None:
-            gguf_path = export(target_dir, Path(scratch) / "target.gguf", "f32")
+        if gguf_path is None:  # a folder whose weights are a GGUF file runs that file; else an f32 export
+            from specdec.backends.target import resolve_model
+            from specdec.models.llama import gguf_weights
+
+            folder = Path(resolve_model(target_dir))
+            gguf_path = gguf_weights(folder) or export(folder, Path(scratch) / "target.gguf", "f32")
         n_ctx = max(len(p) for p in prompts) + max_new_tokens + 8
         methods = {f"llama.cpp plain ({kind} KV)": llama_cpp_method(runners.enter_context(
             LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind))) for kind in dict.fromkeys(kv_caches)}

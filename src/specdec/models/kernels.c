@@ -768,7 +768,9 @@ static void qlinear_part(void* arg, int part, int parts) {
     long panels = (j->N + NR - 1) / NR, pbytes = (j->x.K / 32) * qblock_bytes(j->wtype);
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     float acc[QROWS * 2 * NR];
-    long blocks = (j->M + QROWS - 1) / QROWS;
+    /* Rows per block: up to QROWS; the 4-bit types unpack into more registers, so at most 8 there. */
+    long rows = j->wtype == Q8_0 || QROWS < 8 ? QROWS : 8;
+    long blocks = (j->M + rows - 1) / rows;
     /* Groups of 8 panels (a few KiB each) stay in L2 while every row block uses them. */
     for (long p = p0; p < p1; p += 8) {
         long end = p + 8 < p1 ? p + 8 : p1;

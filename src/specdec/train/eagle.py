@@ -73,6 +73,11 @@ PRESETS: dict[str, EagleTrainConfig] = {
                                              head_from_target=True,
                                              optim=OptimConfig(steps=150, lr=2e-3, warmup_steps=15, eval_every=75,
                                                                ckpt_every_steps=20, bfloat16=True)),
+    # EAGLE-1 on the same data and feature cache (it reads the final layer, which the cache always holds).
+    "eagle-sharegpt": EagleTrainConfig(version=1, ttt_steps=1, batch_size=8, train_sequences=1536, heldout_sequences=48,
+                                       prefix_len=256, generated_len=256, source="sharegpt",
+                                       optim=OptimConfig(steps=400, lr=2e-3, warmup_steps=30, eval_every=100,
+                                                         ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
                              ttt_steps=3, eval_depth=3, draft_vocab_size=0, **TINY_DATA),
 }
