@@ -232,3 +232,21 @@ def test_float_gguf_files_load_directly(kind, wide_model, tmp_path):
         assert torch.equal(ours, theirs)
     else:
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_the_native_build_compiles_its_vector_paths():
+    """A native build that fails to compile falls back to the portable one: slow, never wrong. On a CPU with
+    AVX2 that fallback would be a bug, so say so here."""
+    from pathlib import Path
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx2" not in flags:
+        pytest.skip("no AVX2 here")
+    library = kernels.library()
+    assert library.sd_vector().decode() != "portable" and library.sd_qvector().decode() != "portable"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        assert library.sd_qvector().decode() == "avx512-vnni"

@@ -605,6 +605,8 @@ static inline void qsums_portable(const uint8_t* codes, int wtype, const int8_t*
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SD_QVECTOR "avx512-vnni"
 #define QROWS 16
+#define QPREFETCH_AT (P * pbytes) /* the same block of the next tile's panels, into L2 */
+#define QHINT _MM_HINT_T1
 /* R rows x P panels, every block: each panel's block is unpacked once and meets each row. Inlined
  * into one function per (R, P, type), so the row and panel loops unroll and the type's branches go. */
 static inline __attribute__((always_inline)) void qtile_body(const struct qrows* x, long m0, const uint8_t* panel,
@@ -619,6 +621,8 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
         __m512i w[2][8];
         for (int p = 0; p < P; p++) {
             const uint8_t* blk = panel + p * pbytes + b * bytes;
+            /* The panels stream from memory: ask for the next tile's block while this one is used. */
+            for (long line = 0; line < bytes; line += 64) _mm_prefetch((const char*)blk + QPREFETCH_AT + line, QHINT);
             d[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
             m[p] = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))) : d[p];
             const uint8_t* codes = blk + (has_m ? 64 : 32);
