@@ -18,3 +18,17 @@ specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 6 -
   -k 2 4 --trees 4/2/6 --drafters eagle3 --record --threads 2 --output $OUT/real-bench-float32.json
 echo "== the demo"
 time specdec demo
+echo "== (second session) DFlash on the same data and feature cache: 2 layers, blocks of 8, 400 steps"
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --data-dir runs/smollm2-eagle3/ckpt \
+  --out runs/smollm2-dflash/out --ckpt-dir runs/smollm2-dflash/ckpt --threads 2 --max-minutes 75
+echo "== EAGLE-3 again, its head and norm starting from the target's (head_from_target), 45 minutes"
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt --steps 300 --data-dir runs/smollm2-eagle3/ckpt \
+  --out runs/smollm2-eagle3-warm/out --ckpt-dir runs/smollm2-eagle3-warm/ckpt --threads 2 --max-minutes 45
+echo "== T(n) in every weight type, 1 and 2 threads, beside llama-bench on the same GGUF files"
+python docs/measurements/cost_curves.py --llama-bench "$(bash ../shared/scripts/build-llamacpp.sh)" \
+  --output $OUT/cost-curves.json
+echo "== the shipped Q4_1 file run as it is, and the float32 folder, with every trained drafter (2 threads)"
+specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
+  -k 2 4 --drafters eagle3 dflash --threads 2 --output $OUT/real-bench-q4_1.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
+  -k 2 4 --drafters eagle3 dflash --record --threads 2 --output $OUT/real-bench-float32-2.json
