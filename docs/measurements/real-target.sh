@@ -29,6 +29,6 @@ python docs/measurements/cost_curves.py --llama-bench "$(bash ../shared/scripts/
   --output $OUT/cost-curves.json
 echo "== the shipped Q4_1 file run as it is, and the float32 folder, with every trained drafter (2 threads)"
 specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
-  -k 2 4 --drafters eagle3 dflash --threads 2 --output $OUT/real-bench-q4_1.json
+  -k 2 4 --block-sizes 3 5 --drafters eagle3 dflash --threads 2 --output $OUT/real-bench-q4_1.json
 specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
-  -k 2 4 --drafters eagle3 dflash --record --threads 2 --output $OUT/real-bench-float32-2.json
+  -k 2 4 --block-sizes 3 5 --drafters eagle3 dflash --record --threads 2 --output $OUT/real-bench-float32-2.json
