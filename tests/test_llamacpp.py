@@ -60,3 +60,16 @@ def test_compare_table(model_dirs, tiny_gguf):
     assert methods["specdec plain"]["identical_to_llama_cpp"] == 2
     assert all(row["identical_to_specdec_plain"] == 2 for name, row in methods.items() if name.startswith("specdec"))
     assert "specdec plain" in format_comparison(result)
+
+
+def test_llama_cpp_prompt_lookup_equals_its_plain_decoding(model_dirs, tiny_gguf):
+    from specdec.commands.llamacpp import LlamaCpp
+
+    target = load_target(model_dirs["llama"], backend="native")
+    prompts = target.encode(["def parse(self, value):\n    return value\n" * 3, "a b c a b c a b"])
+    eos = list(target.eos_token_ids)
+    plain, _ = llama_cpp_plain(tiny_gguf, prompts, 24, eos)
+    with LlamaCpp(tiny_gguf, n_ctx=256, logits_all=True) as runner:
+        for prompt, expected in zip(prompts, plain):
+            output, steps = runner.lookup(prompt, 24, eos, 4)
+            assert output == expected and steps <= len(output)

@@ -101,3 +101,14 @@ def test_cli_reports_user_errors_in_one_line(capsys, tmp_path):
     assert main(["train", "target", "--out", str(tmp_path / "x"), "--resume", "--steps", "5"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_a_checkpoint_from_before_a_new_setting_still_resumes():
+    """Resuming fills a setting the checkpoint lacks with its default: that is the same run; a setting the
+    checkpoint has with another value is not."""
+    from specdec.train.loop import same_run
+
+    saved = {"kind": "eagle", "eagle": {"steps": 3, "shape": {"layers": 1}}}
+    assert same_run(saved, {"kind": "eagle", "eagle": {"steps": 3, "shape": {"layers": 1}, "head_from_target": False}})
+    assert not same_run(saved, {"kind": "eagle", "eagle": {"steps": 4, "shape": {"layers": 1}}})
+    assert not same_run({**saved, "extra": 1}, saved)

@@ -23,7 +23,11 @@ specdec train dflash --target smollm2-135m --preset dflash-sharegpt --data-dir r
   --out runs/smollm2-dflash/out --ckpt-dir runs/smollm2-dflash/ckpt --threads 2 --max-minutes 75
 echo "== EAGLE-3 again, its head and norm starting from the target's (head_from_target), 45 minutes"
 specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt --steps 300 --data-dir runs/smollm2-eagle3/ckpt \
-  --out runs/smollm2-eagle3-warm/out --ckpt-dir runs/smollm2-eagle3-warm/ckpt --threads 2 --max-minutes 45
+  --out runs/smollm2-eagle3-warm/out --ckpt-dir runs/smollm2-eagle3-warm/ckpt --threads 2 --max-minutes 45 \
+  --config <(echo "{\"head_from_target\": true}")   # killed at step 120 (worse than the run below at equal steps)
+echo "== the first EAGLE-3 run continued to its planned 300 steps"
+specdec train eagle3 --target smollm2-135m --out runs/smollm2-eagle3/out300 --ckpt-dir runs/smollm2-eagle3/ckpt --resume \
+  --threads 2 --max-minutes 22
 echo "== T(n) in every weight type, 1 and 2 threads, beside llama-bench on the same GGUF files"
 python docs/measurements/cost_curves.py --llama-bench "$(bash ../shared/scripts/build-llamacpp.sh)" \
   --output $OUT/cost-curves.json

@@ -54,7 +54,8 @@ class LlamaCpp:
     (logits then differ by about 1e-3).
     """
 
-    def __init__(self, gguf_path: str | os.PathLike, n_ctx: int = 2048, threads: int = 1, kv_cache: str = "f32"):
+    def __init__(self, gguf_path: str | os.PathLike, n_ctx: int = 2048, threads: int = 1, kv_cache: str = "f32",
+                 logits_all: bool = False):
         llama_cpp = _llama_cpp()
         import numpy as np
 
@@ -68,7 +69,7 @@ class LlamaCpp:
         kv_type = llama_cpp.GGML_TYPE_F32 if kv_cache == "f32" else llama_cpp.GGML_TYPE_F16
         # n_batch = n_ctx: a prompt is one decode call, as it is one forward pass in specdec.
         self.llm = llama_cpp.Llama(model_path=os.fspath(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, logits_all=False, verbose=False,
+                                   n_threads_batch=threads, logits_all=logits_all, verbose=False,
                                    type_k=kv_type, type_v=kv_type)
         self.n_vocab = self.llm.n_vocab()
 
@@ -110,6 +111,39 @@ class LlamaCpp:
             token = int(argmax(self.last_logits()))
             out.append(token)
         return out
+
+    def lookup(self, prompt: list[int], max_new_tokens: int, eos_ids, k: int) -> tuple[list[int], int]:
+        """Greedy decoding sped up by llama-cpp-python's own prompt lookup (``LlamaPromptLookupDecoding``,
+        n-grams of up to 3 tokens, ``k`` drafts), each block checked in one llama.cpp batch: (new tokens,
+        verification steps). Needs a runner made with ``logits_all=True``."""
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        np = self._np
+        drafter = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k)
+        eos = {int(e) for e in eos_ids}
+        token = int(np.argmax(self.prefill(prompt)))
+        tokens, out, steps = list(prompt), [token], 0
+        while len(out) < max_new_tokens and token not in eos:
+            tokens.append(token)
+            drafts = [int(t) for t in drafter(np.array(tokens, dtype=np.intc), None)][: max_new_tokens - len(out)]
+            start = self.llm.n_tokens
+            self.llm.eval([token] + drafts)
+            logits = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llm.ctx),
+                                           shape=(len(drafts) + 1, self.n_vocab))
+            steps += 1
+            accepted = 0
+            while accepted < len(drafts) and int(np.argmax(logits[accepted])) == drafts[accepted]:
+                accepted += 1
+                if drafts[accepted - 1] in eos:
+                    break
+            out.extend(drafts[:accepted])
+            tokens.extend(drafts[:accepted])
+            if accepted and drafts[accepted - 1] in eos:
+                break
+            token = int(np.argmax(logits[accepted]))
+            out.append(token)
+            self.llm.n_tokens = start + 1 + accepted  # the next eval drops the rejected positions
+        return out[:max_new_tokens], steps
 
     def plain(self, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> tuple[list[list[int]], float]:
         """Greedy decoding of each prompt in turn; (outputs, seconds of wall time, prefills included)."""
@@ -227,6 +261,12 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     def llama_cpp_method(runner):
         return lambda prompt: (runner.greedy(prompt, max_new_tokens, eos), None)
 
+    def lookup_run(runner, prompt):
+        from types import SimpleNamespace
+
+        output, steps = runner.lookup(prompt, max_new_tokens, eos, k)
+        return output, SimpleNamespace(tokens_from_steps=len(output) - 1, verify_steps=steps)
+
     specdec = {"specdec plain": specdec_method(NoDraft(), 1)}
     if draft_dir is not None:
         specdec[f"specdec draft-model k={k}"] = specdec_method(DraftModel(draft_dir, backend=backend), k)
@@ -243,6 +283,9 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
         methods = {f"llama.cpp plain ({kind} KV)": llama_cpp_method(runners.enter_context(
             LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind))) for kind in dict.fromkeys(kv_caches)}
         reference_name = next(iter(methods))
+        lookup = runners.enter_context(LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kv_caches[0],
+                                                logits_all=True))
+        methods[f"llama.cpp prompt-lookup k={k} ({kv_caches[0]} KV)"] = lambda prompt: lookup_run(lookup, prompt)
         methods.update(specdec)
         rows = {name: {"method": name, "seconds": 0.0, "new_tokens": 0, "outputs": [], "tau_tokens": 0,
                        "tau_steps": 0} for name in methods}

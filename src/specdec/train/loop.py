@@ -152,6 +152,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def same_run(saved, current) -> bool:
+    """Whether a checkpoint's run configuration is the current one. A key the checkpoint lacks is a
+    setting added to specdec after it was written; resuming took its default, so it matches."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return set(saved) <= set(current) and all(same_run(saved[key], current[key]) for key in saved)
+    return saved == current
+
+
 def run_loop(
     *,
     model: torch.nn.Module,
@@ -177,7 +185,7 @@ def run_loop(
     start_step, train_seconds, tokens_seen, history = 0, 0.0, 0, []
     if resume:
         state = load_latest_checkpoint(ckpt_dir)
-        if state["run_config"] != run_config:
+        if not same_run(state["run_config"], run_config):
             raise CheckpointError(f"checkpoint in {ckpt_dir} was made with a different configuration; use a new --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
