@@ -56,8 +56,9 @@ def test_compare_table(model_dirs, tiny_gguf):
                      gguf_path=tiny_gguf, kv_caches=("f32", "f16"), progress=False)
     methods = {row["method"]: row for row in result["methods"]}
     assert set(methods) == {"llama.cpp plain (f32 KV)", "llama.cpp plain (f16 KV)", "specdec plain",
-                            "specdec draft-model k=2", "specdec prompt-lookup k=2"}
+                            "specdec draft-model k=2", "specdec prompt-lookup k=2", "llama.cpp prompt-lookup k=2 (f32 KV)"}
     assert methods["specdec plain"]["identical_to_llama_cpp"] == 2
+    assert methods["llama.cpp prompt-lookup k=2 (f32 KV)"]["identical_to_llama_cpp"] == 2
     assert all(row["identical_to_specdec_plain"] == 2 for name, row in methods.items() if name.startswith("specdec"))
     assert "specdec plain" in format_comparison(result)
 

@@ -125,7 +125,7 @@ class LlamaCpp:
         tokens, out, steps = list(prompt), [token], 0
         while len(out) < max_new_tokens and token not in eos:
             tokens.append(token)
-            drafts = [int(t) for t in drafter(np.array(tokens, dtype=np.intc), None)][: max_new_tokens - len(out)]
+            drafts = [int(t) for t in drafter(np.array(tokens, dtype=np.intc))][: max_new_tokens - len(out)]
             start = self.llm.n_tokens
             self.llm.eval([token] + drafts)
             logits = np.ctypeslib.as_array(self._lib.llama_get_logits(self.llm.ctx),
