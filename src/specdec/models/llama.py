@@ -431,6 +431,13 @@ class Stored:
         else:
             self.kind, self.data = "F32", dequantized(kind, data, shape, where)  # [out, in]
 
+    @classmethod
+    def of(cls, kind: str, shape: tuple[int, int], data: torch.Tensor) -> "Stored":
+        """One already in the layout above (bytes per output row, or float32 [out, in])."""
+        out = object.__new__(cls)
+        out.kind, out.shape, out.data = kind, shape, data
+        return out
+
     @property
     def quantized(self) -> bool:
         return self.kind != "F32"
@@ -441,33 +448,24 @@ class Stored:
         return kernels.QMatrix.from_gguf(self.data, self.kind, self.shape[1], self.shape[0]).dequantize().t()
 
     def rows(self, order: torch.Tensor) -> "Stored":
-        out = object.__new__(Stored)
-        out.kind, out.shape, out.data = self.kind, self.shape, self.data[order]
-        return out
+        return Stored.of(self.kind, self.shape, self.data[order])
 
     def input_chunks(self, order: torch.Tensor) -> "Stored":
         """Inputs reordered by ``order`` [in]; quantized only when it moves whole 32-input blocks."""
-        out = object.__new__(Stored)
-        out.kind, out.shape = self.kind, self.shape
         chunks = order.view(-1, 32) if order.numel() % 32 == 0 else None
         aligned = chunks is not None and bool((chunks == chunks[:, :1] + torch.arange(32)).all()) and bool(
             (chunks[:, 0] % 32 == 0).all())
         if self.quantized and aligned:
             blocks = self.data.view(self.shape[0], self.shape[1] // 32, -1)
-            out.data = blocks[:, chunks[:, 0] // 32].reshape(self.shape[0], -1)
-        else:
-            out.kind, out.data = "F32", self.float()[:, order]
-        return out
+            return Stored.of(self.kind, self.shape, blocks[:, chunks[:, 0] // 32].reshape(self.shape[0], -1))
+        return Stored.of("F32", self.shape, self.float()[:, order])
 
     @staticmethod
     def cat(parts: list["Stored"]) -> "Stored":
-        out = object.__new__(Stored)
-        out.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         if len({p.kind for p in parts}) == 1:
-            out.kind, out.data = parts[0].kind, torch.cat([p.data for p in parts])
-        else:
-            out.kind, out.data = "F32", torch.cat([p.float() for p in parts])
-        return out
+            return Stored.of(parts[0].kind, shape, torch.cat([p.data for p in parts]))
+        return Stored.of("F32", shape, torch.cat([p.float() for p in parts]))
 
     def matrix(self, dtype: torch.dtype, norm: torch.Tensor | None = None, qtype: str | None = None) -> Matrix | QMatrix:
         """Quantized: packed as it is, the norm's weight kept beside it; else ``matrix`` (folded, or
