@@ -83,7 +83,7 @@ def cmd_train_distill(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    """``specdec train medusa|eagle|eagle3|dflash``: one objective per method, the shared loop."""
+    """``specdec train medusa|eagle|eagle3|dflash|dspark``: one objective per method, the shared loop."""
     from specdec.train.methods import drafter_training
 
     _check_resume_options(args)
@@ -131,7 +131,7 @@ def cmd_train_selfspec(args) -> int:
 def cmd_train_evaluate(args) -> int:
     """``specdec train evaluate``: the offline predicted-tau metric of a trained drafter folder."""
     from specdec.models.eagle import method_of, read_config_json
-    from specdec.train import dflash, eagle, medusa
+    from specdec.train import dflash, dspark, eagle, medusa
 
     _set_threads(args.threads)
     method = method_of(read_config_json(args.drafter))
@@ -142,8 +142,10 @@ def cmd_train_evaluate(args) -> int:
         metrics = eagle.evaluate_drafter(args.drafter, args.target, cache, args.heldout, args.depth)
     elif "DFlash" in method:
         metrics = dflash.evaluate_drafter(args.drafter, args.target, cache, args.heldout)
+    elif "DSpark" in method:
+        metrics = dspark.evaluate_drafter(args.drafter, args.target, cache, args.heldout)
     else:
-        raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa, EAGLE and DFlash folders")
+        raise SpecdecError(f"{args.drafter} holds {method}; evaluate takes Medusa, EAGLE, DFlash and DSpark folders")
     choices = metrics.pop("medusa_choices", None)
     sizes = metrics.pop("tree_sizes", None)
     metrics = {k: round(v, 4) for k, v in metrics.items()}
@@ -244,7 +246,8 @@ def add_commands(subparsers) -> None:
     for name, text in (("medusa", "Medusa-1 heads on the frozen target's last hidden state"),
                        ("eagle", "an EAGLE-1 drafter (feature regression + token loss)"),
                        ("eagle3", "an EAGLE-3 drafter (fused low/mid/high features, training-time test)"),
-                       ("dflash", "a DFlash block drafter (fused target layers in every layer's keys and values)")):
+                       ("dflash", "a DFlash block drafter (fused target layers in every layer's keys and values)"),
+                       ("dspark", "a DSpark drafter (DFlash's block, a Markov head and a calibrated confidence head)")):
         p = train_sub.add_parser(name, help=f"train {text}")
         _common_run_options(p)
         p.add_argument("--target", required=True, type=Path, help="exported target model folder")

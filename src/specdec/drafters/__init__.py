@@ -3,6 +3,7 @@
 from specdec.drafters.base import DecodeContext, Drafter, DraftSession, FeatureSpec, Proposal, TargetFeatures
 from specdec.drafters.dflash import DFlash
 from specdec.drafters.draft_model import DraftModel
+from specdec.drafters.dspark import DSpark
 from specdec.drafters.eagle import Eagle
 from specdec.drafters.early_exit import EarlyExit
 from specdec.drafters.medusa import Medusa
@@ -10,5 +11,5 @@ from specdec.drafters.mtp import MTP
 from specdec.drafters.none import NoDraft
 from specdec.drafters.prompt_lookup import PromptLookup
 
-__all__ = ["DFlash", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "EarlyExit", "FeatureSpec", "MTP",
+__all__ = ["DFlash", "DSpark", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "EarlyExit", "FeatureSpec", "MTP",
            "Medusa", "NoDraft", "PromptLookup", "Proposal", "TargetFeatures"]

@@ -27,6 +27,9 @@ class Proposal:
     parents: torch.Tensor | None = None  # [B, k] long, trees only: parent node, -1 = the pending token;
                                          # nodes in order of depth (a parent before its children)
     node_depths: torch.Tensor | None = None  # [B, k] long, trees: depth of each node when the drafter knows it
+    confidence: torch.Tensor | None = None  # [B, k] float, chains: the drafter's estimate that draft j is
+                                            # accepted given every draft before it was (DSpark's confidence
+                                            # head); a function of the drafts before j only, never of draft j
 
     @property
     def k(self) -> int:
@@ -48,7 +51,8 @@ class Proposal:
     def clamp(self, max_lengths: torch.Tensor) -> "Proposal":
         """Limit rows to max_lengths[b] drafts in depth (no row drafts past its token budget)."""
         if self.parents is None:
-            return Proposal(self.tokens, torch.minimum(self.lengths, max_lengths), self.probs)
+            return Proposal(self.tokens, torch.minimum(self.lengths, max_lengths), self.probs,
+                            confidence=self.confidence)
         # Nodes come in order of depth, so the nodes within the budget are a prefix.
         depth = self.depths()
         lengths = torch.minimum(self.lengths, (depth <= max_lengths[:, None]).sum(1))

@@ -31,6 +31,7 @@ class DFlash:
     block_size - 1 drafts), at most the trained one (the default)."""
 
     name = "dflash"
+    label = "DFlash"
 
     def __init__(self, path: str | os.PathLike, block_size: int | None = None):
         self.path = str(path)
@@ -49,9 +50,9 @@ class DFlash:
 
     def check_target(self, target) -> None:
         check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
-                     f"the DFlash drafter in {self.path}")
+                     f"the {self.label} drafter in {self.path}")
         if not 0 <= self.config.mask_token_id < target.vocab_size:
-            raise InvalidArgumentError(f"the DFlash drafter's mask token {self.config.mask_token_id} is not a row of "
+            raise InvalidArgumentError(f"the {self.label} drafter's mask token {self.config.mask_token_id} is not a row of "
                                        f"the target's embedding ({target.vocab_size} rows)")
 
     def runtime(self, target) -> dflash.DFlashRuntime:

@@ -62,6 +62,11 @@ def _dflash(folder, options):
     return DFlash(folder, block_size=getattr(options, "block_size", None))
 
 
+def _dspark(folder, options):
+    from specdec.drafters.dspark import DSpark
+    return DSpark(folder, block_size=getattr(options, "block_size", None))
+
+
 def _early_exit(folder, options):
     from specdec.drafters.early_exit import EarlyExit
     return EarlyExit(getattr(options, "exit_layer", None), reuse_kv=not getattr(options, "no_kv_reuse", False))
@@ -86,6 +91,8 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
                  zoo="eagle3", trees=True, build=_eagle(3)),
     DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
                  folder=True, zoo="dflash", build=_dflash),
+    DrafterEntry("dspark", "DSpark: DFlash's block with a Markov head and a confidence head", ("DSPARK",),
+                 folder=True, build=_dspark),
     DrafterEntry("early-exit", "LayerSkip: the target's own first layers, final norm and head", ("LAYERSKIP",),
                  zoo_variant="layerskip", build=_early_exit),
     DrafterEntry("mtp", "the target's own multi-token-prediction modules or heads", ("NEXTN", "deepseek_mtp"),

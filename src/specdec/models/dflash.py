@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import types
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from torch import nn
 from specdec.errors import DrafterMismatchError, ModelLoadError
 from specdec.backends.native import NativeCache
 from specdec.models import kernels, llama
-from specdec.models.eagle import TargetRecord, method_of, read_config_json
+from specdec.models.eagle import TargetRecord, describes_dspark, method_of, read_config_json
 from specdec.models.files import load_weights_into, save_net
 from specdec.models.layers import MLP, Attention, RMSNorm
 
@@ -117,9 +117,11 @@ class DFlashConfig:
         }
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "config.json") -> "DFlashConfig":
+    def from_json(cls, data: dict, where: str = "config.json", allow_dspark: bool = False) -> "DFlashConfig":
+        """allow_dspark: read a DSpark config's DFlash part (models/dspark.py); else a DSpark folder is refused,
+        since DFlash would run it without its Markov head and silently lose its acceptance."""
         arch = (data.get("architectures") or [""])[0]
-        if arch != ARCH:
+        if arch != ARCH or (describes_dspark(data) and not allow_dspark):
             raise DrafterMismatchError(f"{where} describes {method_of(data)}, not a DFlash drafter")
         extra = data.get("specdec") or {}
         try:
@@ -384,13 +386,9 @@ class ContextCache(NativeCache):
         batch, n = block.shape
         m = self._split
         x = block.hidden.view(batch, n, -1)
-        normed = kernels.rms_norm(x[:, m:].reshape(batch * (n - m), -1), self.runtime.input_norms[index],
+        normed = kernels.rms_norm(x[:, m:].reshape(batch * (n - m), -1).contiguous(), self.runtime.input_norms[index],
                                   self.runtime.eps).view(batch, n - m, -1)
         x_attn = normed if m == 0 else torch.cat([self._ctx, normed], dim=1)
         visible = block.masks[self.model.layers[index].window]
         return llama.decoder_layer_from(self.model, index, x_attn.reshape(batch * n, -1), None, block.hidden,
                                         block.params, self.kv, visible)
-
-
-def with_training(config: DFlashConfig, training: dict) -> DFlashConfig:
-    return replace(config, training=training)

@@ -176,6 +176,12 @@ class EagleConfig:
             raise ModelLoadError(f"malformed {where}: {exc}") from None
 
 
+def describes_dspark(data: dict) -> bool:
+    """Whether a DFlash-architecture config.json is DSpark's (DFlash's layout plus a Markov head)."""
+    extra = data.get("dflash_config") or {}
+    return extra.get("projector_type") == "dspark" or "markov_rank" in extra
+
+
 def method_of(data: dict) -> str:
     """The drafter method a config.json describes, in words (for wrong-method refusals)."""
     arch = (data.get("architectures") or [""])[0]
@@ -186,7 +192,7 @@ def method_of(data: dict) -> str:
     if "medusa_num_heads" in data:
         return "a Medusa drafter"
     if arch == "DFlashDraftModel":
-        return "a DFlash drafter"
+        return "a DSpark drafter" if describes_dspark(data) else "a DFlash drafter"
     if arch:
         return f"a {arch} model"
     return "no drafter specdec knows"

@@ -211,18 +211,43 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
                  resume: bool = False, max_minutes: float | None = None,
                  log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
     """Train (or resume) a DFlash drafter for the target in ``target_dir``; save it to ``out_dir``."""
+    return train_blocks(DFLASH, config, target_dir, out_dir, ckpt_dir=ckpt_dir, resume=resume,
+                        max_minutes=max_minutes, log=log, data_dir=data_dir)
+
+
+@dataclass(frozen=True)
+class BlockMethod:
+    """What a block drafter's training run needs of its method (DFlash, DSpark): one run, two networks."""
+
+    kind: str
+    model: Any                 # the models module: load_net, save
+    config_class: Any          # its network's config (for_target)
+    network: Any               # its network class
+    objective: Any             # Objective class
+    from_dict: Callable
+    config_options: Callable   # train config -> extra keyword arguments of config_class.for_target
+    finish: Callable | None = None  # (net, objective, held, log) -> (summary fields, config changes) after training
+
+
+DFLASH = BlockMethod("dflash", dflash, dflash.DFlashConfig, dflash.DFlashNet, Objective, config_from_dict, lambda config: {})
+
+
+def train_blocks(method: BlockMethod, config, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
+                 resume: bool = False, max_minutes: float | None = None,
+                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
+    """Train (or resume) a block drafter of ``method`` for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    run = prepare_run("dflash", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
-                      data_dir)
+    kind, model = method.kind, method.model
+    run = prepare_run(kind, config, target_dir, out_dir, ckpt_dir, resume, method.from_dict, log, data_dir)
     config, target, held, log = run.config, run.target, run.held, run.log
     shape = config.shape
     if shape.layers < 1 or shape.block_size < 2 or shape.target_features < 1:
-        raise DFlashTrainError(f"a DFlash drafter needs >= 1 layer, block size >= 2 and >= 1 target feature, got "
+        raise DFlashTrainError(f"a {kind} drafter needs >= 1 layer, block size >= 2 and >= 1 target feature, got "
                                f"{shape.layers}, {shape.block_size}, {shape.target_features}")
     torch.manual_seed(config.seed)
     if config.init_from:
-        net = dflash.load_net(config.init_from)
-        warning = net.config.target.check(target, f"the DFlash drafter in {config.init_from}", net.config.hidden_size,
+        net = model.load_net(config.init_from)
+        warning = net.config.target.check(target, f"the {kind} drafter in {config.init_from}", net.config.hidden_size,
                                           net.config.vocab_size, net.config.hidden_layers())
         if warning:
             raise DFlashTrainError(warning)
@@ -230,47 +255,52 @@ def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, 
         net.config = net_config
         net.train()
     else:
-        net_config = dflash.DFlashConfig.for_target(target, shape.layers, shape.block_size, mask_token_for(target),
+        net_config = method.config_class.for_target(target, shape.layers, shape.block_size, mask_token_for(target),
                                                     target_layer_ids=tuple(shape.target_layers) or None,
                                                     num_target_features=shape.target_features,
-                                                    intermediate_size=shape.intermediate or None)
-        net = dflash.DFlashNet(net_config)
+                                                    intermediate_size=shape.intermediate or None,
+                                                    **method.config_options(config))
+        net = method.network(net_config)
     frozen = run.frozen(net_config.hidden_layers())
-    objective = Objective(config, frozen, net_config)
-    run_config = {"kind": "dflash", "dflash": config_to_dict(config), "target": target.fingerprint()}
+    objective = method.objective(config, frozen, net_config)
+    run_config = {"kind": kind, kind: config_to_dict(config), "target": target.fingerprint()}
     result = run_loop(model=net, config=config.optim, batch_fn=batch_maker(run, salt=31), loss_fn=objective.loss,
                       tokens_in=lambda batch: int(batch[3].sum()) * net_config.block_size,
-                      eval_fn=lambda m: objective.evaluate(m, held, (net_config.block_size,)), ckpt_dir=run.ckpt_dir, run_config=run_config,
-                      resume=resume, max_minutes=max_minutes, desc="dflash", log=log)
+                      eval_fn=lambda m: objective.evaluate(m, held, (net_config.block_size,)), ckpt_dir=run.ckpt_dir,
+                      run_config=run_config, resume=resume, max_minutes=max_minutes, desc=kind, log=log)
     from specdec.train.target import round_to_export_dtype_
 
     round_to_export_dtype_(net)
     final = objective.evaluate(net, held)
-    key = f"b{max(b for b in config.eval_blocks if b <= net_config.block_size)}_tau"
-    useless = warn_if_useless(final, key, log, "dflash")
+    largest = max(b for b in config.eval_blocks if b <= net_config.block_size)
+    useless = warn_if_useless(final, f"b{largest}_tau", log, kind)
+    extra, changes = method.finish(net, objective, held, log) if method.finish else ({}, {})
     summary = {
-        "kind": "dflash", "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
+        "kind": kind, "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(),
         **run.data_fields(),
-        "initialised_from": config.init_from or None, "mask_token_id": net_config.mask_token_id, "target_layer_ids": list(net_config.target_layer_ids),
-        "offline": {k: round(v, 4) for k, v in final.items()}, "low_acceptance_warning": useless,
+        "initialised_from": config.init_from or None, "mask_token_id": net_config.mask_token_id,
+        "target_layer_ids": list(net_config.target_layer_ids),
+        "offline": {k: round(v, 4) for k, v in final.items()}, "low_acceptance_warning": useless, **extra,
         "history": result.history, "config": config_to_dict(config),
     }
-    net.config = dflash.with_training(net_config, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
-                                                                           "offline")})
-    dflash.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    training = {k: summary[k] for k in ("steps", "train_minutes", "train_tokens", "offline")}
+    net.config = replace(net_config, training=training, **changes)
+    model.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
     return summary
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
-                     log: Callable[[str], None] = print, held=None) -> dict[str, float]:
-    """The offline metric of a saved DFlash folder on the held-out prompts."""
+                     log: Callable[[str], None] = print, held=None, method: BlockMethod = DFLASH) -> dict[str, float]:
+    """The offline metric of a saved block drafter's folder (DFlash, or ``method``'s) on the held-out prompts."""
     from specdec.backends.target import load_target
     from specdec.train.features import heldout_data
 
-    net = dflash.load_net(path)
+    net = method.model.load_net(path)
     target = load_target(target_dir)
     if held is None:
         held = heldout_data(Path(target_dir), target.fingerprint(), cache_dir, heldout_sequences, 16, 0, log)
-    blocks = tuple(b for b in (2, 4, 8, 16, 32) if b <= net.config.block_size)
-    objective = Objective(DFlashTrainConfig(eval_blocks=blocks), FrozenTarget(target_dir), net.config)
+    sizes = (2, 4, 8, 16, 32) if method is DFLASH else (1, 4, 7, 8, 16, 32)  # a DFlash block of B drafts B - 1
+    blocks = tuple(b for b in sizes if b <= net.config.block_size)
+    config = method.from_dict({"eval_blocks": list(blocks)})
+    objective = method.objective(config, FrozenTarget(target_dir), net.config)
     return objective.evaluate(net, held)

@@ -371,10 +371,12 @@ class FeatureCache:
 
 
 def load_fast_target(target_dir: Path):
-    """The target in transformers, bfloat16, for computing features in bulk."""
+    """The target in transformers for computing features in bulk: bfloat16 where the CPU has bfloat16
+    dot products, else float32 (kernels.fast_bfloat16); the features are kept as bfloat16 either way."""
+    from specdec.models.kernels import fast_bfloat16
     from specdec.train.distill import load_frozen_target
 
-    return load_frozen_target(target_dir, dtype=torch.bfloat16)
+    return load_frozen_target(target_dir, dtype=torch.bfloat16 if fast_bfloat16() else torch.float32)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -47,7 +47,8 @@ class OptimConfig:
     eval_every: int = 200
     ckpt_every_steps: int = 200
     ckpt_every_minutes: float = 5.0
-    bfloat16: bool = False   # forward and backward under bfloat16 autocast (weights and optimizer stay float32)
+    bfloat16: bool = False   # forward and backward under bfloat16 autocast (weights and optimizer stay float32),
+                             # on CPUs with bfloat16 dot products (AVX512-BF16, AMX); float32 elsewhere
 
 
 @dataclass
@@ -181,6 +182,11 @@ def run_loop(
     run can never silently continue with a different shape or data recipe.
     """
     log = log or (lambda message: tqdm.write(message))
+    from specdec.models.kernels import fast_bfloat16
+
+    autocast = config.bfloat16 and fast_bfloat16()
+    if config.bfloat16 and not autocast:
+        log(f"[{desc}] bfloat16 autocast off: this CPU has no bfloat16 dot products (float32 is faster here)")
     optimizer, scheduler = make_optimizer(model, config)
     start_step, train_seconds, tokens_seen, history = 0, 0.0, 0, []
     if resume:
@@ -236,7 +242,7 @@ def run_loop(
                 break
             batch = batch_fn(step)
             t0 = time.monotonic()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

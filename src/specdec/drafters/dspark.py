@@ -1,0 +1,89 @@
+"""DSpark session: DFlash's one-pass block, then the drafts taken left to right through the Markov head.
+
+The block ``[anchor, mask, ..., mask]`` of k inputs runs in one drafter pass on DFlash's context
+cache (drafters/dflash.py keeps the cache, the waiting features and the batch bookkeeping); every
+slot predicts, the anchor's too. Slot j's logits are the head's plus the Markov term of the draft
+before it, so the drafts are taken one after the other: the argmax (greedy), or a sample of that
+exact softmax (sampling), whose distribution goes to the verifier. The confidence head's estimate
+that each draft survives, given the drafts before it, rides along in ``Proposal.confidence`` for
+the confidence policies (specdec.schedule); it reads only the drafts before each slot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.batch import Sequences
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, recorded_defaults
+from specdec.drafters.dflash import DFlash, DFlashSession
+from specdec.drafters.eagle import require_kernels
+from specdec.errors import InvalidArgumentError
+from specdec.models import dspark, llama
+from specdec.sampling import probabilities, sample
+
+
+class DSpark(DFlash):
+    """A DSpark folder. ``block_size``: drafts per step (block inputs; every slot drafts), at most the
+    trained block (the default, or the setting recorded as measured fastest)."""
+
+    name = "dspark"
+    label = "DSpark"
+    has_confidence = True
+
+    def __init__(self, path: str | os.PathLike, block_size: int | None = None):
+        self.path = str(path)
+        self.net = dspark.load_net(path)
+        self.config = self.net.config
+        trained = self.config.block_size
+        block_size = trained if block_size is None else int(block_size)
+        if not 1 <= block_size <= trained:
+            raise InvalidArgumentError(f"DSpark block size must be in 1..{trained} (the drafter in {self.path} "
+                                       f"was trained with blocks of {trained}), got {block_size}")
+        self.block_size = block_size
+        recorded, _ = recorded_defaults(self.path)
+        self.default_draft_tokens = min(recorded or block_size, block_size)
+        self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
+        self._runtimes: dict = {}
+
+    def runtime(self, target) -> dspark.DSparkRuntime:
+        key = (id(target), target.backend.dtype)
+        if key not in self._runtimes:
+            require_kernels(target, "DSpark drafters")
+            self._runtimes = {key: dspark.DSparkRuntime(self.net, target.input_embeddings(), target,
+                                                        target.backend.dtype, llama.drafter_qtype(target))}
+        return self._runtimes[key]
+
+    def start(self, context: DecodeContext, seqs: Sequences) -> "DSparkSession":
+        self.check_target(context.target)
+        if context.tree is not None:
+            raise InvalidArgumentError("DSpark drafts chains (one block per step); token-tree options do not apply")
+        return DSparkSession(self.runtime(context.target), context, seqs.batch_size, self.block_size)
+
+
+class DSparkSession(DFlashSession):
+    def propose(self, seqs: Sequences, k: int) -> Proposal:
+        drafts = max(1, min(k, self.block_size))
+        runtime = self.runtime
+        anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending tokens
+        out = self.cache.draft(self.states, self.valid, anchors, drafts)    # [B, drafts, H]: every slot drafts
+        self.states = self.valid = None
+        self.cache.compact()
+        head = runtime.logits(out)                                          # [B, drafts, V]
+        hidden = runtime.normed(out)
+        previous, tokens, dists, confidences = anchors, [], [], []
+        for j in range(drafts):
+            logits, confidence = runtime.slot(head[:, j], hidden[:, j], previous, j)
+            if self.sampling.greedy:
+                previous = logits.argmax(-1)
+            else:
+                probs = probabilities(logits, self.sampling)
+                previous = sample(probs[:, None], self.generator)[:, 0]
+                dists.append(probs)
+            tokens.append(previous)
+            confidences.append(confidence)
+        lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
+        confidence = torch.stack(confidences, 1) if confidences[0] is not None else None
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
+                        confidence=confidence)

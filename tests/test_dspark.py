@@ -1,0 +1,298 @@
+"""DSpark: DFlash's block with a Markov head and a confidence head.
+
+Greedy output equals plain decoding token for token (Llama, Qwen3 targets; float32 and bfloat16;
+ragged batches with rows stopping at EOS and at the limit; the trained block and smaller ones);
+sampling keeps the target's distribution; the kernel runtime drafts what the training network
+drafts, left to right through the Markov head; the confidence reads only the drafts before each
+slot; training lowers the loss, calibrates and saves the layout serving engines load; refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec
+from specdec.drafters import DFlash, DSpark
+from specdec.errors import DrafterMismatchError, InvalidArgumentError, ModelLoadError
+from specdec.models import dflash, dspark
+from specdec.sampling import SamplingConfig
+from specdec.train import dspark as training
+from specdec.train.dflash import mask_token_for
+
+from test_dflash import random_dflash
+from test_exact_generation import bfloat16_with_eos, sampled_pairs, sampling_case
+from test_greedy_parity import MAX_NEW, PROMPTS, reference_with_stop
+from test_sampling import P_VALUE, chi_square_p
+
+ARCHS = ("llama", "qwen3")
+BLOCK = 4
+
+
+def random_dspark(target, folder, block_size=BLOCK, seed=0, scale=0.3, head="vanilla"):
+    """A random DSpark folder for ``target``: weights spread enough to give varied drafts, and a Markov
+    term large enough to change them."""
+    torch.manual_seed(seed)
+    config = dspark.DSparkConfig.for_target(target, 2, block_size, mask_token_for(target), markov_rank=8,
+                                            markov_head_type=head, num_target_features=2)
+    net = dspark.DSparkNet(config)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("proj.weight") or name == "fc.weight":
+                p.normal_(0, scale / p.shape[1] ** 0.5 * 3)
+        net.markov_head.markov_w1.weight.normal_(0, 1.0)
+        net.markov_head.markov_w2.weight.normal_(0, 1.0)
+        net.confidence_head.proj.weight.normal_(0, 0.5)
+    return dspark.save(net, folder)
+
+
+@pytest.fixture(scope="module")
+def dspark_dirs(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark")
+    dirs = {arch: random_dspark(specdec.load_target(model_dirs[arch], backend="native"), root / arch)
+            for arch in ARCHS}
+    dirs["gated"] = random_dspark(specdec.load_target(model_dirs["llama"], backend="native"), root / "gated",
+                                  head="gated")
+    return dirs
+
+
+SETTINGS = [dict(), dict(num_draft_tokens=1), dict(num_draft_tokens=2), dict(block_size=3)]
+
+
+def drafter_for(folder, setting):
+    setting = dict(setting)
+    return DSpark(folder, block_size=setting.pop("block_size", None)), setting
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dspark_matches_transformers_greedy(arch, targets, hf_models, dspark_dirs):
+    target, model = targets[arch], hf_models[arch]
+    prompts = target.encode(PROMPTS)
+    eos, reference = reference_with_stop(target, model, prompts)
+    assert any(r and r[-1] == eos for r in reference) and any(len(r) == MAX_NEW for r in reference)
+    for setting in SETTINGS:
+        drafter, options = drafter_for(dspark_dirs[arch], setting)
+        out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, **options)
+        assert out.token_ids == reference, f"{setting} batch"
+        alone = specdec.generate(target, [prompts[2]], drafter=drafter, max_new_tokens=MAX_NEW, **options)
+        assert alone.token_ids == [reference[2]], f"{setting} alone"
+    out = specdec.generate(target, prompts, drafter=DSpark(dspark_dirs[arch]), max_new_tokens=MAX_NEW)
+    assert out.stats.mean_k == pytest.approx(BLOCK, abs=1.5)  # every slot drafts: the block, not block - 1
+
+
+@pytest.mark.parametrize("folder", ["llama", "gated"])
+def test_dspark_equals_plain_decoding_in_bfloat16(folder, model_dirs, dspark_dirs):
+    target, prompts, reference = bfloat16_with_eos(model_dirs["llama"])
+    for setting in SETTINGS:
+        drafter, options = drafter_for(dspark_dirs[folder], setting)
+        out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=40, **options)
+        assert out.stats.exact_numerics and out.token_ids == reference, f"{setting}"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 6, None), (0.7, None, 0.9)])
+def test_sampling_keeps_the_targets_distribution(temperature, top_k, top_p, model_dirs, dspark_dirs):
+    config = SamplingConfig(temperature, top_k, top_p)
+    target, prompt, exact = sampling_case(model_dirs["llama"], config)
+    assert chi_square_p(sampled_pairs(target, prompt, DSpark(dspark_dirs["llama"]), config), exact) > P_VALUE
+
+
+class Recorder:
+    """Wraps a session: keeps every proposal."""
+
+    def __init__(self, drafter):
+        self.drafter, self.proposals = drafter, []
+        self.name, self.features = drafter.name, drafter.features
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def start(self, context, seqs):
+        session = self.drafter.start(context, seqs)
+        propose = session.propose
+
+        def recorded(seqs, k):
+            proposal = propose(seqs, k)
+            self.proposals.append(proposal)
+            return proposal
+        session.propose = recorded
+        return session
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_runtime_drafts_what_the_network_drafts(dtype, model_dirs, dspark_dirs):
+    """The first step's drafts and confidences equal the PyTorch network's left-to-right decoding of
+    the same block (its head logits, the Markov term of each previous draft, the confidence head)."""
+    target = specdec.load_target(model_dirs["llama"], dtype=dtype, backend="native")
+    target.eos_token_ids = ()
+    folder = dspark_dirs["llama"]
+    net = dspark.load_net(folder)
+    prompt = target.encode([PROMPTS[1]])[0]
+    recorder = Recorder(DSpark(folder))
+    specdec.generate(target, [prompt], drafter=recorder, max_new_tokens=2)
+    first = recorder.proposals[0]
+    plain = specdec.generate(target, [prompt], max_new_tokens=1).token_ids[0]
+    tokens = torch.tensor([prompt + plain])
+    layers = net.config.hidden_layers()
+    from specdec.train.distill import load_frozen_target
+
+    model = load_frozen_target(model_dirs["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(tokens, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i] for i in layers], -1)[:, :len(prompt)]
+    embed, head = target.input_embeddings().float(), target.output_head().float()
+    anchors = torch.tensor([[len(prompt)]])
+    with torch.no_grad():
+        out = net.blocks(features, F.embedding(dflash.block_inputs(tokens, anchors, BLOCK, net.config.mask_token_id),
+                                               embed), anchors)[0, 0]
+        previous, drafts, confidences = tokens[:, -1], [], []
+        for j in range(BLOCK):
+            term, code = net.markov(out[j:j + 1], previous)
+            logits = out[j:j + 1] @ head.t() + term
+            confidences.append(float(torch.sigmoid(net.confidence_logit(out[j:j + 1], code))))
+            previous = logits.argmax(-1)
+            drafts.append(int(previous))
+    if dtype == torch.float32:
+        assert first.tokens[0].tolist() == drafts
+    else:  # bfloat16 rounding may flip a near tie of this random network's later slots
+        assert first.tokens[0, :2].tolist() == drafts[:2]
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    assert first.confidence[0].tolist() == pytest.approx(confidences, abs=tolerance)
+
+
+def test_confidence_reads_only_the_drafts_before_each_slot(model_dirs, dspark_dirs):
+    """Changing the Markov head's row of a token changes the drafts after it and the confidence of the
+    slot after it, never the confidence of the slot that drafted it."""
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    runtime = DSpark(dspark_dirs["llama"]).runtime(target)
+    torch.manual_seed(0)
+    logits, hidden = torch.randn(3, target.vocab_size), torch.randn(3, runtime.config.hidden_size)
+    previous = torch.tensor([5, 9, 11])
+    _, before = runtime.slot(logits, hidden, previous, 0)
+    other = previous.clone()
+    other[1] = 12
+    _, after = runtime.slot(logits, hidden, other, 0)
+    assert before[0] == after[0] and before[2] == after[2] and before[1] != after[1]
+    # the confidence of slot j is computed before draft j exists: the slot's inputs are the hidden
+    # state and the previous draft, and the same inputs give the same value at every call
+    assert torch.equal(runtime.slot(logits, hidden, previous, 0)[1], before)
+
+
+def test_layout_serving_engines_load(dspark_dirs):
+    from safetensors.torch import load_file
+
+    folder = dspark_dirs["qwen3"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == BLOCK
+    extra = config["dflash_config"]
+    assert extra["projector_type"] == "dspark" and extra["markov_rank"] == 8
+    assert extra["markov_head_type"] == "vanilla" and extra["enable_confidence_head"] is True
+    assert "confidence_head_alpha" in extra and config["specdec"]["method"] == "dspark"
+    weights = load_file(folder / "model.safetensors")
+    h, v = config["hidden_size"], config["vocab_size"]
+    assert tuple(weights["markov_head.markov_w1.weight"].shape) == (v, 8)
+    assert tuple(weights["markov_head.markov_w2.weight"].shape) == (v, 8)
+    assert tuple(weights["confidence_head.proj.weight"].shape) == (1, h + 8)
+    assert tuple(weights["confidence_head.proj.bias"].shape) == (1,)
+    dflash_names = set(dflash.DFlashNet(dspark.load_config(folder)).state_dict())
+    assert dflash_names <= set(weights)  # DFlash's tensors, under DFlash's names
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    gated = load_file(dspark_dirs["gated"] / "model.safetensors")
+    assert tuple(gated["markov_head.gate.weight"].shape) == (1, h + 8)
+
+
+def test_wrong_method_bad_block_and_bad_folders_are_refused(dspark_dirs, model_dirs, tmp_path, capsys):
+    from specdec.commands.cli import main
+    from specdec.drafters.registry import resolve
+
+    assert resolve("DSPARK") == "dspark" == resolve("dspark")
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    dflash_dir = random_dflash(target, tmp_path / "dflash")
+    with pytest.raises(DrafterMismatchError, match="DFlash drafter, not a DSpark"):
+        DSpark(dflash_dir)
+    with pytest.raises(DrafterMismatchError, match="DSpark drafter, not a DFlash"):
+        DFlash(dspark_dirs["llama"])  # it would run without its Markov head
+    with pytest.raises(InvalidArgumentError, match="block size must be in 1..4"):
+        DSpark(dspark_dirs["llama"], block_size=9)
+    with pytest.raises(InvalidArgumentError, match="chains"):
+        specdec.generate(target, [[5, 6, 7]], drafter=DSpark(dspark_dirs["llama"]), max_new_tokens=4,
+                         tree=specdec.TreeConfig(2, 2, 4))
+    truncated = shutil.copytree(dspark_dirs["llama"], tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cannot read weights"):
+        DSpark(truncated)
+    broken = shutil.copytree(dspark_dirs["llama"], tmp_path / "broken")
+    config = json.loads((broken / "config.json").read_text())
+    config["dflash_config"]["markov_head_type"] = "rnn"
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="markov_head_type 'rnn'"):
+        DSpark(broken)
+    for folder, extra in ((truncated, []), (broken, []), (dflash_dir, []), (tmp_path / "missing", []),
+                          (dspark_dirs["llama"], ["--block-size", "40"])):
+        code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", "dspark", "--draft", str(folder),
+                     "--prompt", "x = 1", "--max-new-tokens", "4", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("specdec: error:"), err
+    code = main(["generate", "--target", str(model_dirs["llama"]), "--speculative-algorithm", "DSPARK",
+                 "--draft", str(dspark_dirs["llama"]), "--prompt", "x = 1", "--max-new-tokens", "12", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["stats"]["drafter"] == "dspark" and len(result["outputs"][0]["token_ids"]) == 12
+    assert result["stats"]["mean_k"] > 2  # the block's drafts
+
+
+def test_calibration_metrics_on_known_cases():
+    prob = torch.tensor([0.9, 0.8, 0.3, 0.2])
+    label = torch.tensor([True, True, False, False])
+    assert training.auroc(prob, label) == 1.0
+    assert training.auroc(prob, ~label) == 0.0
+    assert training.auroc(torch.tensor([0.5, 0.5]), torch.tensor([True, False])) == 0.5  # a tie counts half
+    assert training.auroc(prob, torch.ones(4, dtype=torch.bool)) is None
+    assert training.expected_calibration_error(torch.tensor([0.75] * 4), torch.tensor([1, 1, 1, 0]).bool()) == 0.0
+    assert training.expected_calibration_error(torch.tensor([1.0, 1.0]), torch.tensor([False, False])) == 1.0
+    # survival labels: accepted counts 0, 2, 3 of 3 drafts
+    labels = training.survival_labels(torch.tensor([0, 2, 3]), 3)
+    assert labels.tolist() == [[False, False, False], [True, True, False], [True, True, True]]
+    # over-confident logits: the fitted temperatures lower the survival's ECE
+    torch.manual_seed(0)
+    true_logit = torch.randn(4000, 3)
+    labels = torch.rand(4000, 3) < torch.sigmoid(true_logit)
+    labels = labels.long().cumprod(-1).bool()
+    real = torch.ones(4000, 3, dtype=torch.bool)
+    logits = true_logit * 4
+    temps = training.fit_temperatures(logits, labels, real, training.DSparkTrainConfig().temperature_grid)
+    before = training.survival_metrics(training.cumulative_survival(logits, [1.0] * 3), labels, real)
+    after = training.survival_metrics(training.cumulative_survival(logits, temps), labels, real)
+    assert after["ece"] < before["ece"] and temps[0] > 2
+    assert after["auroc"] == pytest.approx(before["auroc"], abs=0.02)
+
+
+def test_training_lowers_the_loss_calibrates_and_decodes_exactly(tmp_path):
+    from specdec.commands.train import main
+    from specdec.train import loop
+    from specdec.zoo import zoo_path
+
+    out = tmp_path / "out"
+    assert main(["train", "dspark", "--target", str(zoo_path("target")), "--preset", "tiny", "--out", str(out)]) == 0
+    history = torch.load(loop.list_checkpoints(out / "checkpoints")[-1], weights_only=False)["history"]
+    losses = [r["loss"] for r in history]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["kind"] == "dspark" and "b4_tau" in summary["offline"] and "tau_k4" in summary["offline"]
+    calibration = summary["calibration"]
+    assert len(calibration["temperatures"]) == 4
+    assert {"ece", "auroc", "brier", "per_slot"} <= set(calibration["before"]) == set(calibration["after"])
+    assert isinstance(summary["low_acceptance_warning"], bool)
+    drafter = DSpark(out)
+    assert drafter.config.confidence_temperatures == tuple(calibration["temperatures"])
+    assert drafter.config.training["offline"]["b4_tau"] == summary["offline"]["b4_tau"]
+    target = specdec.load_target(zoo_path("target"))
+    prompts = target.encode(["def f(x):\n    return", "import os\n"])
+    plain = specdec.generate(target, prompts, max_new_tokens=12)
+    assert specdec.generate(target, prompts, drafter=drafter, max_new_tokens=12).token_ids == plain.token_ids
+    # the offline metric of the folder from the command line
+    assert main(["train", "evaluate", "--drafter", str(out), "--target", str(zoo_path("target")),
+                 "--heldout", "4", "--cache-dir", str(out / "checkpoints")]) == 0
