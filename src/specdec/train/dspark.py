@@ -87,26 +87,26 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 class Objective(block_training.Objective):
     """DSpark's loss and offline metric (the frozen target and the block pass are DFlash's)."""
 
-    def blocks(self, net: dspark.DSparkNet, tokens, valid, anchors, block_size: int):
-        """(normed outputs [b, N, B, H], the head's logits [b, N, B, V], the target's logits [b, T, V])."""
-        features, logits = self.frozen.run(tokens, valid, self.layers)
+    def blocks(self, net: dspark.DSparkNet, tokens, valid, anchors, block_size: int, at: torch.Tensor | None = None):
+        """(normed outputs [b, N, B, H], the head's logits [b, N, B, V], the target's logits at positions
+        ``at`` [b, M] as [b, M, V], or None without ``at``)."""
+        features, logits = self.frozen.run(tokens, valid, self.layers, at=at if at is not None else anchors[:, :0])
         ids = dflash.block_inputs(tokens, anchors, block_size, self.net_config.mask_token_id)
         out = net.blocks(features, F.embedding(ids, self.frozen.embed), anchors)
-        return out, out @ self.frozen.head.t(), logits
+        return out, out @ self.frozen.head.t(), (logits if at is not None else None)
 
     def loss(self, net: dspark.DSparkNet, batch) -> torch.Tensor:
         tokens, valid, anchors, ok = batch
         config, size = self.config, self.net_config.block_size
-        out, head, logits = self.blocks(net, tokens, valid, anchors, size)             # [b, N, B, *]
-        previous = dspark.previous_tokens(tokens, anchors, size)
-        term, code = net.markov(out, previous)
-        draft = head + term
         source = anchors[:, :, None] + torch.arange(size)                              # p at a + k predicts a + k + 1
         exists = (source + 1 < valid.sum(1)[:, None, None]) & ok[:, :, None]          # [b, N, B]
         b, n, _ = source.shape
-        target = logits.gather(1, source.clamp(max=tokens.shape[1] - 1).reshape(b, -1, 1).expand(
-            -1, -1, logits.shape[-1])).view(b, n, size, -1)
-        p = torch.softmax(target.float(), -1)
+        at = source.clamp(max=tokens.shape[1] - 1).reshape(b, -1)
+        out, head, target = self.blocks(net, tokens, valid, anchors, size, at)          # [b, N, B, *], [b, N B, V]
+        previous = dspark.previous_tokens(tokens, anchors, size)
+        term, code = net.markov(out, previous)
+        draft = head + term
+        p = torch.softmax(target.float().view(b, n, size, -1), -1)
         log_q = torch.log_softmax(draft.float(), -1)
         ce = -(p * log_q).sum(-1)
         l1 = (log_q.exp() - p).abs().sum(-1)                                           # [b, N, B], 0 .. 2

@@ -273,15 +273,21 @@ class FrozenTarget:
         self.cache = cache
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...]):
-        """(features [B, T, len(layers) * H] concatenated in order, logits [B, T, V])."""
+    def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor | None = None):
+        """(features [B, T, len(layers) * H] concatenated in order, logits [B, T, V]); with ``at`` [B, M]
+        (positions, < T) the logits there only, [B, M, V] (a cached batch then skips the others' products)."""
         found = self.cache.lookup(tokens, layers) if self.cache is not None else None
         if found is not None:
             features, final = found
+            if at is not None:
+                final = final.gather(1, at[:, :, None].expand(-1, -1, final.shape[2]))
             return features, final @ self.head.t()
         out = self.model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-        return features, out.logits.float()
+        logits = out.logits.float()
+        if at is not None:
+            logits = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[2]))
+        return features, logits
 
 
 class FeatureCache:
