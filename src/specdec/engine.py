@@ -109,7 +109,8 @@ class Engine:
     ``add`` and ``cancel`` may be called from any thread; ``step`` from one thread only.
     stream: report every step's tokens in ``Update``s (False: only the final update, with the
     whole output, which keeps a step's bookkeeping on tensors; ``generate`` uses it).
-    policy: how many drafts each step verifies (specdec.schedule; None: a fixed k).
+    policy: how many drafts each step verifies (specdec.schedule; None: a fixed k): its ``draft_tokens``
+    before drafting, its ``cut`` (optional) of the drafts made, before the target sees them.
     """
 
     def __init__(self, target, drafter=None, num_draft_tokens: int | None = None, tree: TreeConfig | None = None,
@@ -377,7 +378,11 @@ class Group:
         drafting = engine.speculates and k > 0
         started = tick = time.perf_counter()
         if drafting:
-            proposal = session.propose(seqs, k).clamp(self.remaining - 1)
+            offered = session.propose(seqs, k).clamp(self.remaining - 1)
+            cut = getattr(engine.policy, "cut", None)  # what the policy keeps of it (a policy without cut: all)
+            proposal = offered if cut is None else cut(engine, self, offered)
+            if proposal is not offered:
+                stats.record_cut(offered.lengths - proposal.lengths)
             forward = self.verify_forward
         else:
             if self.empty is None:

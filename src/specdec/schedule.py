@@ -11,6 +11,15 @@ first k drafts, from the acceptance observed at each position) over the step's c
 k drafts at the drafting cost observed for this batch size, the engine's own overhead), and stops
 at the first k that lowers it. Under load the verification of extra drafts costs more than they
 return, and the policy drafts less, down to plain decoding.
+
+The confidence policies cut each row's drafts after drafting, from the drafter's own estimate that a
+draft is accepted given the drafts before it (DSpark's confidence head, ``Proposal.confidence``).
+``ConfidenceThreshold`` keeps a row's drafts up to the first one below a threshold (llama.cpp's
+``--spec-draft-conf-min``); ``ConfidenceScheduler`` (DSpark's load-aware prefix scheduler) admits
+(row, position) slots in descending survival while LoadAware's rate estimate rises. Both stay
+lossless for the same reason: whether draft j of a row is verified depends only on what the drafter
+knew before drawing it (its confidence reads the drafts before j) and on the other rows, never on
+draft j itself, the drafts after it, or the target.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import time
 
 import torch
 
+from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError
 
 
@@ -35,9 +45,15 @@ class FixedK:
     def draft_tokens(self, engine, group) -> int:
         return engine.config.num_draft_tokens
 
+    def cut(self, engine, group, proposal: Proposal) -> Proposal:
+        """The drafts this step verifies, from the step's proposal (after drafting, before the target
+        sees it). A cut may read only what the drafter knew before each draft it keeps or drops."""
+        return proposal
+
     def observe(self, engine, group, width: int, proposed: list[int] | None, accepted: list[int] | None,
                 timing: dict) -> None:
-        """After a step of ``width`` drafts per row; timing: seconds of drafting and of the whole step."""
+        """After a step of ``width`` drafts per row (after the cut); timing: seconds of drafting (the
+        cut included) and of the whole step."""
 
 
 class StaticTable(FixedK):
@@ -73,6 +89,9 @@ class LoadAware(FixedK):
     the text changes; a clear loss is not probed, since keeping a drafter current costs too).
     gain: a draft is added only if it raises the expected rate by this share (the estimates are
     noisy, and a wrong draft under load costs more than a missed one at low load).
+    table: T(rows, tokens per row) in seconds, measured before (or made up, in tests), in place of
+    the start-up profile: widths 1..k + 1 at every batch size it names (past the largest, T scales
+    with the rows).
     Costs measured online are pooled by batch size in powers of two.
     """
 
@@ -81,13 +100,14 @@ class LoadAware(FixedK):
 
     def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
                  context: int = 64, repeats: int = 3, explore: int = 16, margin: float = 0.2,
-                 gain: float = 0.03):
+                 gain: float = 0.03, table: dict[tuple[int, int], float] | None = None):
         self.max_draft_tokens, self.decay, self.prior, self.explore = max_draft_tokens, decay, prior, explore
         self.margin, self.gain = margin, gain
         self.undrafted = 0  # steps since the last one that drafted
         self.context, self.repeats = context, repeats
-        self.sizes: list[int] = []
-        self.table: dict[tuple[int, int], float] = {}   # (rows, tokens per row) -> seconds of one pass
+        self.given = dict(table) if table else None
+        self.sizes: list[int] = sorted({rows for rows, _ in table}) if table else []
+        self.table: dict[tuple[int, int], float] = dict(table or {})  # (rows, tokens per row) -> seconds of one pass
         self.accepted: list[float] = []    # decayed counts per position: accepted
         self.evaluated: list[float] = []   # ... and evaluated (reached: every earlier draft accepted)
         self.draft_cost: dict[int, list] = {}  # batch size -> [seconds per draft token, observations]
@@ -100,8 +120,14 @@ class LoadAware(FixedK):
         if not self.enabled:
             return
         if engine.config.draft_schedule != "constant":
-            raise InvalidArgumentError("the load-aware policy chooses k itself: use the constant draft schedule")
+            raise InvalidArgumentError(f"the {self.name} policy chooses k itself: use the constant draft schedule")
         self.k_max = min(self.max_draft_tokens or engine.config.num_draft_tokens, engine.config.k_limit)
+        if self.given is not None:
+            missing = [(rows, width) for rows in self.sizes or [1] for width in range(1, self.k_max + 2)
+                       if (rows, width) not in self.given]
+            if missing:
+                raise InvalidArgumentError(f"the given step-time table lacks (rows, width) {missing[0]}")
+            return
         sizes = sizes_up_to(engine.max_batch_size)
         key = (id(engine.target), tuple(sizes), self.k_max + 1)
         if getattr(self, "_profiled", None) == key:  # a policy reused by engine after engine (bench)
@@ -167,25 +193,169 @@ class LoadAware(FixedK):
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         if not self.enabled:
             return
-        rows = group.size
         if width:
-            while len(self.evaluated) < width:
-                self.evaluated.append(0.0)
-                self.accepted.append(0.0)
-            evaluated, taken = [0] * width, [0] * width
-            for a in accepted:
-                # Slots 0..a were reached (a accepted, then a rejection or no draft at all: a row that
-                # proposes fewer drafts, as prompt lookup without a match, gains nothing from the
-                # verified width it does not fill).
-                for j in range(min(a + 1, width)):
-                    evaluated[j] += 1
-                    taken[j] += j < a
-            for j in range(len(self.evaluated)):
-                self.evaluated[j] = self.decay * self.evaluated[j] + (evaluated[j] if j < width else 0)
-                self.accepted[j] = self.decay * self.accepted[j] + (taken[j] if j < width else 0)
-            blend(self.draft_cost, bucket(rows), timing["draft"] / width, self.decay)
+            self.count_acceptance(width, accepted)
+        self.observe_costs(group.size, width, width, timing)
+
+    def count_acceptance(self, width: int, accepted: list[int]) -> None:
+        """Fold one step's accepted drafts per row into the per-position acceptance estimates."""
+        while len(self.evaluated) < width:
+            self.evaluated.append(0.0)
+            self.accepted.append(0.0)
+        evaluated, taken = [0] * width, [0] * width
+        for a in accepted:
+            # Slots 0..a were reached (a accepted, then a rejection or no draft at all: a row that
+            # proposes fewer drafts, as prompt lookup without a match, gains nothing from the
+            # verified width it does not fill).
+            for j in range(min(a + 1, width)):
+                evaluated[j] += 1
+                taken[j] += j < a
+        for j in range(len(self.evaluated)):
+            self.evaluated[j] = self.decay * self.evaluated[j] + (evaluated[j] if j < width else 0)
+            self.accepted[j] = self.decay * self.accepted[j] + (taken[j] if j < width else 0)
+
+    def observe_costs(self, rows: int, width: int, drafted: int, timing: dict) -> None:
+        """Fold one step's timing into the drafting cost (per draft of the ``drafted`` per row) and the
+        overhead beyond the verification pass of ``width`` drafts per row."""
+        if drafted:
+            blend(self.draft_cost, bucket(rows), timing["draft"] / drafted, self.decay)
         extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, width + 1))
         blend(self.overhead[bool(width)], bucket(rows), extra, self.decay)  # a speculative step's bookkeeping costs more
+
+
+class ConfidenceThreshold(FixedK):
+    """llama.cpp's ``--spec-draft-conf-min``: a row keeps its drafts up to (not including) the first
+    whose confidence is below ``threshold``."""
+
+    needs_confidence = True
+
+    def __init__(self, threshold: float):
+        if not 0.0 < threshold < 1.0:
+            raise InvalidArgumentError(f"conf-min:X needs 0 < X < 1, got {threshold:g}")
+        self.threshold = threshold
+        self.name = f"conf-min:{threshold:g}"
+
+    def prepare(self, engine) -> None:
+        require_confidence_head(engine, self.name)
+
+    def cut(self, engine, group, proposal: Proposal) -> Proposal:
+        confidence = proposal_confidence(engine, proposal, self.name)  # [B, k]
+        slots = torch.arange(proposal.k, device=confidence.device)
+        low = (confidence < self.threshold) | (slots >= proposal.lengths[:, None])
+        first = torch.where(low, slots, proposal.k).min(1).values if proposal.k else proposal.lengths
+        return keep_prefixes(group, proposal, first)
+
+
+class ConfidenceScheduler(LoadAware):
+    """DSpark's load-aware prefix scheduler: each step, (row, position) slots are admitted in
+    descending survival s = c_0 c_1 ... c_j while the expected committed tokens per second rise,
+    stopping at the first slot that does not raise them (``admit_by_survival``).
+
+    Costs are LoadAware's: the profiled T(rows, width) of the dense verification block (width = 1 +
+    the longest row kept), the drafting cost and the overhead observed online. Drafting runs at k
+    every step, except after ``patience`` steps in a row whose cut kept nothing: then steps decode
+    plainly (no drafting cost), drafting again once every ``explore`` steps to look.
+    """
+
+    name = "confidence"
+    wants_counts = False  # the drafter's confidence replaces the acceptance observed per position
+    needs_confidence = True
+
+    def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, **options):
+        super().__init__(max_draft_tokens, **options)
+        self.patience = patience
+        self.empty_cuts = 0  # steps in a row whose cut kept no draft
+
+    def prepare(self, engine) -> None:
+        require_confidence_head(engine, self.name)
+        super().prepare(engine)
+
+    def draft_tokens(self, engine, group) -> int:
+        k = self.k_max
+        if self.empty_cuts >= self.patience:
+            self.undrafted += 1
+            if self.undrafted <= self.explore:
+                k = 0
+            else:  # probe: draft once to see whether the confidences came back
+                self.undrafted = 0
+        self.last_choice = k
+        return k
+
+    def cut(self, engine, group, proposal: Proposal) -> Proposal:
+        confidence = proposal_confidence(engine, proposal, self.name)
+        rows, width = proposal.tokens.shape[0], min(proposal.k, self.k_max)
+        drafting = proposal.k * self.nearest(self.draft_cost, rows)  # spent already, in every choice alike
+        costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
+                              for n in range(width + 1)], dtype=torch.float64)
+        lengths = admit_by_survival(confidence[:, :width], proposal.lengths.clamp(max=width), costs)
+        self.empty_cuts = 0 if bool(lengths.any()) else self.empty_cuts + 1
+        return keep_prefixes(group, proposal, lengths)
+
+    def observe(self, engine, group, width, proposed, accepted, timing) -> None:
+        self.observe_costs(group.size, width, self.last_choice, timing)
+
+
+def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
+    """Drafts kept per row [B]: slots (r, j) in descending survival s[r, j] = c[r, 0] ... c[r, j]
+    (ties: the lower position first, then the lower row), each admitted while the rate
+    (B + sum of admitted survivals) / costs[longest row admitted] rises; the first slot that does
+    not raise it ends the search.
+
+    confidence: [B, k] c[r, j] = P(draft j accepted | drafts before it were); lengths: [B] drafts
+    each row has; costs: [k + 1] seconds of a step verifying n = 0..k drafts per row.
+
+    Survival falls along a row, so this order is the one of always taking the best next slot of any
+    row: a row's kept drafts are a prefix, and with the stop at the first drop the decision is that
+    of a search reading s[r, j] only once drafts 0..j-1 of row r are kept (c[r, j] is a function of
+    those); the survivals past each row's first refused slot cannot change it. Whether a draft is
+    verified never depends on the draft itself or on the ones after it, which is what keeps
+    rejection sampling exact.
+    """
+    rows, k = confidence.shape
+    if not k:
+        return torch.zeros_like(lengths)
+    survival = confidence.detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)  # [B, k]
+    drafted = torch.arange(k) < lengths.cpu()[:, None]
+    survival = torch.where(drafted, survival, -1.0)  # slots a row did not draft are never worth admitting
+    by_position = survival.T.reshape(-1)  # [k * B], slot (r, j) at j * B + r
+    order = torch.sort(-by_position, stable=True).indices
+    position = order // rows
+    tokens = rows + by_position[order].cumsum(0)  # expected tokens after admitting the first n slots
+    longest = position.cummax(0).values + 1
+    rate = torch.cat([torch.tensor([rows / float(costs[0])], dtype=torch.float64), tokens / costs[longest]])
+    admitted = int((rate[1:] > rate[:-1]).long().cumprod(0).sum())  # up to the first slot that does not raise it
+    counts = torch.bincount(order[:admitted] % rows, minlength=rows)
+    return counts.to(lengths.device)
+
+
+def keep_prefixes(group, proposal: Proposal, lengths: torch.Tensor) -> Proposal:
+    """``proposal`` with row r's first lengths[r] drafts, the block narrowed to the longest row kept
+    (the verification pass is a dense [rows, width] block). Sessions that ran the block's first
+    layers while drafting (``verify_forward``) verify the block as drafted: only the lengths change."""
+    kept = proposal.clamp(lengths)
+    width = int(kept.lengths.max()) if kept.lengths.numel() else 0
+    if width == proposal.k or hasattr(group.session, "verify_forward"):
+        return kept
+
+    def narrow(tensor):
+        return None if tensor is None else tensor[:, :width]
+    return Proposal(narrow(kept.tokens), kept.lengths, narrow(kept.probs), confidence=narrow(kept.confidence))
+
+
+def require_confidence_head(engine, policy: str) -> None:
+    """Refuse, as one line, a drafter without a confidence head or a tree."""
+    if not getattr(engine.drafter, "has_confidence", False):
+        raise InvalidArgumentError(f"policy {policy} needs a drafter with a confidence head (dspark), "
+                                   f"got {engine.drafter.name}")
+    if engine.tree is not None or engine.static_tree:
+        raise InvalidArgumentError(f"policy {policy} cuts chains of drafts, not token trees")
+
+
+def proposal_confidence(engine, proposal: Proposal, policy: str) -> torch.Tensor:
+    if proposal.confidence is None:
+        raise InvalidArgumentError(f"policy {policy} needs a drafter with a confidence head (dspark), "
+                                   f"got {engine.drafter.name} without confidences")
+    return proposal.confidence
 
 
 def bucket(rows: int) -> int:
@@ -220,16 +390,28 @@ def profile(target, sizes: list[int], widths: int, context: int, repeats: int) -
             for rows in sizes for width in range(1, widths + 1)}
 
 
+POLICY_FORMS = "fixed, load-aware, confidence, conf-min:X (0 < X < 1) or static:SIZE=K,..."
+
+
 def parse_policy(text: str | None, max_draft_tokens: int | None = None):
-    """A policy from its command-line form: ``fixed``, ``load-aware`` or ``static:1=4,8=2,32=0``
-    (batch size ``=`` or ``:`` k; vLLM's num_speculative_tokens_per_batch_size)."""
+    """A policy from its command-line form: ``fixed``, ``load-aware``, ``confidence``, ``conf-min:0.5``
+    or ``static:1=4,8=2,32=0`` (batch size ``=`` or ``:`` k; vLLM's num_speculative_tokens_per_batch_size)."""
     if text is None or text == "fixed":
         return FixedK()
     if text == "load-aware":
         return LoadAware(max_draft_tokens)
+    if text == "confidence":
+        return ConfidenceScheduler(max_draft_tokens)
+    if text.startswith("conf-min:"):
+        value = text.removeprefix("conf-min:")
+        try:
+            threshold = float(value)
+        except ValueError:
+            raise InvalidArgumentError(f"conf-min:X takes a number 0 < X < 1, got {value!r}") from None
+        return ConfidenceThreshold(threshold)
     if text.startswith("static:"):
         return StaticTable(parse_table(text.removeprefix("static:")))
-    raise InvalidArgumentError(f"a policy is fixed, load-aware or static:SIZE=K,..., got {text!r}")
+    raise InvalidArgumentError(f"a policy is {POLICY_FORMS}, got {text!r}")
 
 
 def parse_table(text: str) -> dict[int, int]:

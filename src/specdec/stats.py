@@ -30,6 +30,8 @@ class Stats:
     drafts_evaluated: int = 0         # drafts the acceptance rule looked at (up to the first rejection)
     tokens_from_steps: int = 0        # sum over row-steps of accepted drafts + 1
     k_sum: int = 0                    # sum over row-steps of drafts proposed (tree nodes), for the mean k
+    drafts_cut: int = 0               # drafts the drafter made that the policy's cut left unverified (not
+                                      # counted as proposed: acceptance counts what was verified)
     proposed_at: list[int] = field(default_factory=list)   # [j] row-steps proposing >= j+1 drafts
     accepted_at: list[int] = field(default_factory=list)   # [j] row-steps accepting >= j+1 drafts
     accepted_histogram: list[int] = field(default_factory=list)  # [a] row-steps accepting exactly a
@@ -41,6 +43,7 @@ class Stats:
                                       # (part of draft_time; computing them is part of the target passes)
     total_time: float = 0.0
     _steps: list = field(default_factory=list, repr=False)  # (proposed [B], accepted [B]) per step
+    _cuts: list = field(default_factory=list, repr=False)   # [B] drafts cut per row, per step that cut
 
     def record_step(self, k: int, proposed: torch.Tensor, accepted: torch.Tensor,
                     nodes: torch.Tensor | None = None) -> None:
@@ -52,8 +55,15 @@ class Stats:
         self.k_history.append(k)
         self._steps.append((proposed, accepted, proposed if nodes is None else nodes))
 
+    def record_cut(self, dropped: torch.Tensor) -> None:
+        """dropped: [B] drafts per row a policy's cut removed from this step's proposal."""
+        self._cuts.append(dropped)
+
     def finalize(self) -> None:
         """Fold the recorded steps into the counters: one pass at the end, nothing in the decode loop."""
+        if self._cuts:
+            self.drafts_cut += int(torch.cat(self._cuts).sum())
+            self._cuts = []
         if not self._steps:
             return
         proposed = torch.cat([p for p, _, _ in self._steps])  # [row-steps]
@@ -122,7 +132,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         data = asdict(self)
-        del data["_steps"]
+        del data["_steps"], data["_cuts"]
         for name in ("mean_accepted_length", "acceptance_rate", "alpha", "mean_k",
                      "predicted_mean_accepted_length", "acceptance_by_position", "tokens_per_second",
                      "tokens_per_verified_token"):
@@ -138,7 +148,8 @@ class Stats:
             f"{self.tokens_per_second:.1f} tokens/s",
             f"tau {self.mean_accepted_length:.3f} (predicted from alpha {self.predicted_mean_accepted_length:.3f}), "
             f"alpha {self.alpha:.3f}, acceptance rate {self.acceptance_rate:.3f} "
-            f"({self.drafts_accepted}/{self.drafts_proposed})",
+            f"({self.drafts_accepted}/{self.drafts_proposed})"
+            + (f", {self.drafts_cut} more drafts cut by the policy before verification" if self.drafts_cut else ""),
             "acceptance by position " + " ".join(f"{r:.2f}" for r in self.acceptance_by_position),
             "accepted-length histogram " + " ".join(str(c) for c in self.accepted_histogram),
             f"time: prefill {self.prefill_time:.3f}s, draft {self.draft_time:.3f}s, "

@@ -69,7 +69,8 @@ class Method:
     feature_seconds: float = 0.0  # specdec: handing the target's features to the drafter
     draft_seconds: float = 0.0   # specdec: the drafter's own time (propose, accepted, observe)
     steps: int = 0               # specdec: batched verification steps
-    note: str = ""               # what the label adds (a drafter's own static tree)
+    note: str = ""               # what the label adds (a drafter's own static tree, the policy)
+    policy: str | None = None    # specdec: the policy's text (schedule.parse_policy); None: fixed k
     accepted_at: list = field(default_factory=list)  # specdec: row-steps accepting >= j+1 drafts (depths, trees)
     proposed_at: list = field(default_factory=list)  # specdec: row-steps proposing >= j+1 drafts
     outputs: list = field(default_factory=list)
@@ -99,19 +100,33 @@ class Method:
 
 
 def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_tokens: int, batch_size: int,
-                   tag: str = "", tree: TreeConfig | None = None, note: str = "", load_aware: bool = False):
-    """load_aware: k drafts at most, as many per step as the load-aware policy chooses."""
+                   tag: str = "", tree: TreeConfig | None = None, note: str = "", policy: str | None = None):
+    """policy: a policy's text (load-aware, confidence, conf-min:X, ...): k drafts at most, as many per
+    step as it chooses; labelled with it."""
     config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree)
-    policy = None
-    if load_aware:
-        from specdec.schedule import LoadAware
+    chooser = None
+    if policy:
+        from specdec.schedule import parse_policy
 
-        policy, note = LoadAware(), "load-aware"  # one per method: it profiles once and keeps learning
+        chooser = parse_policy(policy)  # one per method: it profiles once and keeps learning
+        note = f"{note} {policy}".strip()
 
     def run(prompts):
-        out = generate_ids(engine.target, prompts, drafter, config, policy)
+        out = generate_ids(engine.target, prompts, drafter, config, chooser)
         return out.token_ids, out.stats
-    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note)
+    return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note,
+                  policy=policy)
+
+
+def policy_methods(engine: Engine, family: str, drafter, k: int, policies, max_new_tokens: int, batch_size: int,
+                   tag: str = "", note: str = "") -> list:
+    """The drafter once more under each policy that can drive it, up to k drafts per step (the
+    confidence policies need a drafter with a confidence head)."""
+    from specdec.schedule import parse_policy
+
+    return [specdec_method(engine, family, drafter, k, max_new_tokens, batch_size, tag, note=note, policy=policy)
+            for policy in policies
+            if not getattr(parse_policy(policy), "needs_confidence", False) or getattr(drafter, "has_confidence", False)]
 
 
 class ForwardCounter:
@@ -183,9 +198,10 @@ def transformers_model(model: Target | DraftModel):
 
 def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
                   max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = (),
-                  block_sizes: tuple = (), load_aware: bool = False):
+                  block_sizes: tuple = (), policies: tuple = ()):
     """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None),
-    and transformers' DFlash on the same weights when a DFlash drafter is measured."""
+    and transformers' DFlash on the same weights when a DFlash drafter is measured. ``policies``: each
+    chain drafter also under each policy (schedule.parse_policy's texts), up to its largest k."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
     several = len([e for e in engines if not e.variant]) > 1
@@ -194,7 +210,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
         if engine.variant:  # a self-drafting variant: its plain decoding and its own drafter
             for batch_size in batch_sizes:
                 methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
-                methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes)
+                methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies)
             continue
         for batch_size in batch_sizes:
             methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
@@ -203,19 +219,17 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                     methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size,
                                                   tag))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
-            if load_aware:  # up to the largest k, as many drafts per step as the policy chooses
-                if engine.draft is not None:
-                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, max(ks), max_new_tokens,
-                                                  batch_size, tag, load_aware=True))
-                methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, max(ks), max_new_tokens, batch_size,
-                                              tag, load_aware=True))
+            if engine.draft is not None:  # up to the largest k, as many drafts per step as each policy chooses
+                methods += policy_methods(engine, DRAFT_MODEL, engine.draft, max(ks), policies, max_new_tokens,
+                                          batch_size, tag)
+            methods += policy_methods(engine, PROMPT_LOOKUP, lookup, max(ks), policies, max_new_tokens, batch_size, tag)
             for tree in trees:
                 if engine.draft is not None:
                     methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens,
                                                   batch_size, tag, tree))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, None, max_new_tokens, batch_size, tag,
                                               tree))
-            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes)
+            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies)
     if reference is not None:
         model, draft_model = reference
         target = engines[0].target
@@ -289,9 +303,9 @@ def drafter_note(engine: Engine, name: str, drafter) -> str:
 
 
 def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str,
-                    block_sizes=()) -> list:
+                    block_sizes=(), policies=()) -> list:
     """The methods of an engine's trained drafters, as the registry says each drafts (DFlash: one
-    chain per block size, k = block - 1)."""
+    chain per block size, k = block - 1), chains also under each of ``policies`` at the largest k."""
     from specdec.drafters.registry import REGISTRY
 
     methods = []
@@ -305,6 +319,8 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
+        methods += policy_methods(engine, name, drafter, max(chain_ks), policies, max_new_tokens, batch_size, tag,
+                                  note)
         if entry.trees:
             methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
                         for tree in trees]
@@ -323,15 +339,16 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
               trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = (),
-              load_aware: bool = False) -> dict:
+              policies: tuple = ()) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
     transformers' methods run on ``transformers_models`` = (model, draft model or None), by default
     the target's and draft's own transformers models. ``drafters``: (registry name, drafter) pairs of
     trained drafters measured beside them on the target's engine. ``block_sizes``: DFlash blocks to
-    measure (default: each DFlash drafter's own). ``load_aware``: the draft model and prompt lookup also
-    with the load-aware policy, up to the largest k.
+    measure (default: each DFlash drafter's own). ``policies``: every chain drafter also under each
+    policy (schedule.parse_policy's texts: load-aware, confidence, conf-min:X, ...) that can drive it,
+    up to its largest k.
     """
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
@@ -346,7 +363,11 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     if any(b < 2 for b in block_sizes):
         raise InvalidArgumentError("every DFlash block size must be >= 2 (the pending token and a draft)")
     methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
-                            tuple(trees), tuple(block_sizes), load_aware)
+                            tuple(trees), tuple(block_sizes), tuple(policies))
+    idle = [policy for policy in policies if not any(m.policy == policy for m in methods)]
+    if idle:
+        raise InvalidArgumentError(f"policy {idle[0]} can drive none of the drafters measured (the confidence "
+                                   "policies need a drafter with a confidence head: dspark)")
     for method in methods:  # warm-up, untimed
         method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
                    prompts[: method.batch_size])
@@ -509,7 +530,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
         rows.append({
             "method": m.label, "impl": m.impl, "backend": m.engine.backend if m.engine else "transformers",
             "family": m.family, "k": m.k, "batch_size": m.batch_size,
-            "tau": m.tau, "alpha": m.alpha, "tokens_per_second": m.tokens_per_second,
+            "policy": m.policy, "tau": m.tau, "alpha": m.alpha, "tokens_per_second": m.tokens_per_second,
             "new_tokens": m.new_tokens, "seconds": m.seconds,
             "tree": None if m.tree is None else [m.tree.depth, m.tree.topk, m.tree.num_nodes],
             "mean_nodes": m.k_sum / m.tau_steps if m.tau_steps else None,
@@ -597,7 +618,7 @@ def format_table(result: dict) -> str:
 
 
 def add_bench_command(commands) -> None:
-    from specdec.commands.clitools import add_model_arguments
+    from specdec.commands.clitools import add_model_arguments, policy_text
 
     bench = commands.add_parser("bench", help="compare plain, draft-model and prompt-lookup decoding, "
                                               "specdec against transformers, in one run")
@@ -628,9 +649,11 @@ def add_bench_command(commands) -> None:
                        help="mtp: module depths to measure (default: all the model has)")
     bench.add_argument("--trees", nargs="+", default=[], metavar="D/K/N",
                        help="token trees to measure beside the chains: depth/topk/num_nodes, e.g. 5/4/16")
-    bench.add_argument("--load-aware", action="store_true",
-                       help="also the draft model and prompt lookup with the load-aware policy (up to the largest k; "
-                            "it profiles the target and chooses the drafts per step)")
+    bench.add_argument("--policies", nargs="+", default=[], metavar="POLICY", type=policy_text,
+                       help="also every chain drafter under each policy, up to its largest k, labelled with it: "
+                            "load-aware (profiles the target, chooses the drafts per step), static:1=4,8=2, and for "
+                            "drafters with a confidence head (dspark) confidence and conf-min:X")
+    bench.add_argument("--load-aware", action="store_true", help="the same as --policies load-aware")
     bench.add_argument("--cost-curve", action="store_true",
                        help="also print T(n)/T(1), the target's forward time for n new tokens, n = 1..64")
     bench.add_argument("--record", action="store_true",
@@ -695,7 +718,8 @@ def run_bench_command(args) -> int:
                        max_new_tokens=args.max_new_tokens, batch_sizes=args.batch_sizes, repeats=args.repeats,
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
                        more_engines=tuple(engines[1:] + variants), trees=tuple(trees), drafters=first.drafters,
-                       block_sizes=tuple(args.block_sizes), load_aware=args.load_aware)
+                       block_sizes=tuple(args.block_sizes),
+                       policies=tuple(dict.fromkeys(args.policies + ["load-aware"] * args.load_aware)))
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:

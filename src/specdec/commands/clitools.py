@@ -24,6 +24,17 @@ def drafter_name(value: str) -> str:
     return argument_type(value)
 
 
+def policy_text(text: str) -> str:
+    """argparse type: a policy as schedule.parse_policy reads it, checked before any model loads."""
+    from specdec.schedule import parse_policy
+
+    try:
+        parse_policy(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 BACKENDS = ("auto", "native", "hf")
 
 

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.commands.clitools import add_model_arguments, add_tree_arguments, drafter_name, tree_config
+from specdec.commands.clitools import (add_model_arguments, add_tree_arguments, drafter_name, policy_text,
+                                       tree_config)
 from specdec.errors import InvalidArgumentError
 
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -61,6 +62,16 @@ def speculative_config(text: str) -> dict:
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool)):
             raise argparse.ArgumentTypeError(f"{key} must be an integer, got {config[key]!r}")
     return config
+
+
+def bench_mode(text: str):
+    """argparse type: a bench-serve mode (serve.bench.parse_mode), checked before any model loads."""
+    from specdec.serve.bench import parse_mode
+
+    try:
+        return parse_mode(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def batch_size_table(text: str) -> str:
@@ -117,9 +128,11 @@ def engine_options(args) -> dict:
 def add_serve_command(commands) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
     add_engine_arguments(serve)
-    serve.add_argument("--policy", default="load-aware",
+    serve.add_argument("--policy", default="load-aware", type=policy_text,
                        help="draft tokens per step: load-aware (default; profiles the target at start-up), fixed "
-                            "(always k), or static:1=4,8=2,32=0 (by batch size)")
+                            "(always k), static:1=4,8=2,32=0 (by batch size); with a confidence head (dspark): "
+                            "confidence (cut each row's drafts where the expected tokens/s stop rising; profiles "
+                            "the target) or conf-min:X (cut at the first draft with confidence below X)")
     serve.add_argument("--num-speculative-tokens-per-batch-size", dest="per_batch_size", type=batch_size_table,
                        metavar="B:K,...", help="vLLM-style table, e.g. 1:4,8:2,32:0 (the static policy)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -146,10 +159,7 @@ def run_serve(args) -> int:
             template = Path(args.chat_template).read_text(encoding="utf-8")
         except OSError as exc:
             raise InvalidArgumentError(f"cannot read --chat-template {args.chat_template}: {exc.strerror}") from None
-    policy = args.per_batch_size or args.policy
-    if args.drafter != "none":
-        from specdec.schedule import parse_policy
-        parse_policy(policy)  # a bad policy: one line before any model loads
+    policy = args.per_batch_size or args.policy  # both checked by argparse, before any model loads
     sock = listen(args.host, args.port)
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
@@ -176,9 +186,12 @@ def add_bench_serve_command(commands) -> None:
     bench.add_argument("--in-process", action="store_true",
                        help="run each mode's server in this process (default: a process of its own, so the "
                             "clients and the server do not share a core or Python's lock)")
-    bench.add_argument("--modes", nargs="+", choices=BENCH_MODES, default=list(BENCH_MODES),
-                       help="plain (no drafter), fixed (the drafter, fixed k), load-aware (the drafter, "
-                            "load-aware policy); each on a fresh engine")
+    bench.add_argument("--modes", nargs="+", type=bench_mode, default=list(BENCH_MODES),
+                       metavar="MODE",
+                       help="plain (no drafter); a policy for --drafter: fixed (fixed k), load-aware, confidence, "
+                            "conf-min:X, static:1=4,8=2; or DRAFTER[=DIR]@POLICY for a drafter of its own, e.g. "
+                            "plain dflash@fixed dspark=DIR@conf-min:0.5 dspark=DIR@confidence (default: plain "
+                            "fixed load-aware); each on a fresh engine")
     bench.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     bench.add_argument("--requests-per-client", type=int, default=2,
                        help="requests each client sends in turn (a wave is concurrency x this)")
@@ -194,7 +207,7 @@ def add_bench_serve_command(commands) -> None:
 
 def run_bench_serve(args) -> int:
     from specdec.commands.clitools import check_output_path, write_atomic
-    from specdec.serve.bench import format_table, plot, run_bench_serve as bench
+    from specdec.serve.bench import format_table, parse_mode, plot, resolve_mode, run_bench_serve as bench
     from specdec.zoo.tasks import load_tasks
 
     check_output_path(args.output)
@@ -204,8 +217,16 @@ def run_bench_serve(args) -> int:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.concurrency):
         raise InvalidArgumentError(f"--concurrency values must be >= 1, got {args.concurrency}")
+    args.modes = [parse_mode(m) if isinstance(m, str) else m for m in args.modes]  # the default's texts
+    labels = [mode.label for mode in args.modes]
+    if len(set(labels)) < len(labels):
+        raise InvalidArgumentError(f"--modes names a mode twice: {' '.join(labels)}")
     if args.url is None:
+        zoo_target = args.target is None
+        if all(mode.plain or mode.drafter is not None for mode in args.modes):
+            args.drafter = "none"  # every mode names its own drafter: --drafter (and its folder) is not used
         resolve_models(args)
+        args.modes = [resolve_mode(mode, args, zoo_target) for mode in args.modes]
     from specdec.backends.hf import load_tokenizer
     prompts = load_tasks(args.tasks, tokenizer=load_tokenizer(args.target) if args.target else None)
     result = bench(args, prompts, engine_options(args))

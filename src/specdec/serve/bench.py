@@ -12,6 +12,11 @@ a task set); a wave runs ``concurrency`` clients. Per wave:
 * mean acceptance length: 1 + accepted / drafts from the server's /metrics counters over the wave
   (tokens per verification step, vLLM's definition).
 
+A mode is ``plain`` (no drafter), a policy text (``fixed``, ``load-aware``, ``confidence``,
+``conf-min:0.5``, ``static:...``) for ``--drafter``, or ``DRAFTER[=DIR]@POLICY`` for a drafter of its
+own, so one run compares, say, plain decoding, DFlash at a fixed block and DSpark under both
+confidence policies: ``plain dflash@fixed dspark=DIR@conf-min:0.5 dspark=DIR@confidence``.
+
 Every mode gets a fresh engine and server on the same target, in a process of its own by default (so
 the client threads and the engine share neither a core nor Python's lock), or in this process
 (``--in-process``); its start-up time (loading, the engine with its profiling, the HTTP server) is
@@ -22,6 +27,7 @@ after the other, so the modes are compared minutes apart at most (timings drift 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import threading
@@ -29,6 +35,7 @@ import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +43,71 @@ from specdec.serve import BackgroundServer, create_app
 from specdec.serve.runner import build_engine
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One server of a bench-serve run: a drafter, its folder and a policy."""
+
+    label: str                  # as the table and the JSON name it
+    drafter: str | None = None  # a registry name; None: --drafter; "none": plain decoding
+    folder: str | None = None   # the drafter's folder; None: --draft for --drafter, else the zoo's
+    policy: str | None = None   # schedule.parse_policy's text; None with plain decoding
+
+    @property
+    def plain(self) -> bool:
+        return self.drafter == "none"
+
+
+def parse_mode(text: str) -> Mode:
+    """``plain``, ``POLICY`` (for --drafter) or ``DRAFTER[=DIR]@POLICY``; the drafter and the policy are
+    checked here, before any model loads."""
+    from specdec.drafters.registry import resolve
+    from specdec.errors import InvalidArgumentError
+    from specdec.schedule import parse_policy
+
+    spec, at, policy = text.rpartition("@")
+    if not at:
+        policy = text
+    if policy == "plain":
+        if spec:
+            raise InvalidArgumentError(f"mode {text!r}: plain decoding takes no drafter (write plain)")
+        return Mode("plain", "none")
+    parse_policy(policy)
+    if not at:
+        return Mode(text, policy=policy)
+    name, _, folder = spec.partition("=")
+    if not name:
+        raise InvalidArgumentError(f"mode {text!r}: name a drafter before '@' (DRAFTER[=DIR]@POLICY)")
+    name = resolve(name)
+    if name == "none":
+        raise InvalidArgumentError(f"mode {text!r}: plain decoding is the mode plain")
+    label = f"{name}{'=' + Path(folder).name if folder else ''}@{policy}"
+    return Mode(label, name, folder or None, policy)
+
+
+def resolve_mode(mode: Mode, args, zoo_target: bool) -> Mode:
+    """A mode's drafter and folder filled in: --drafter and --draft where it names none, the zoo's
+    folder for a drafter the zoo trains for its own target."""
+    from specdec.drafters.registry import REGISTRY
+    from specdec.errors import InvalidArgumentError
+
+    if mode.plain:
+        return mode
+    if mode.drafter is None or (mode.drafter == args.drafter and mode.folder is None):
+        return dataclasses.replace(mode, drafter=args.drafter, folder=mode.folder or args.draft)
+    entry = REGISTRY[mode.drafter]
+    if entry.zoo_variant:
+        raise InvalidArgumentError(f"mode {mode.label}: {entry.name} drafts with a model of its own; the modes share "
+                                   "one target, so give it as --drafter")
+    folder = mode.folder
+    if entry.folder and folder is None:
+        if not (zoo_target and entry.zoo):
+            raise InvalidArgumentError(f"mode {mode.label}: {entry.name} needs its folder, as "
+                                       f"{entry.name}=DIR@{mode.policy}")
+        from specdec.zoo import zoo_path
+        folder = str(zoo_path(entry.zoo))
+    return dataclasses.replace(mode, folder=folder)
 
 
 @dataclass
@@ -173,7 +245,8 @@ def warm_up(url: str, prompts: list[str], args) -> str:
 
 def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
     """Every mode (or the server at ``args.url``), every concurrency: the result as JSON-ready dict.
-    engine_options: the Engine's keyword arguments (k, tree, limits), as the command reads them from its flags."""
+    args.modes: resolved ``Mode``s (``resolve_mode``). engine_options: the Engine's keyword arguments
+    (k, tree, limits), as the command reads them from its flags."""
     result = {"max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "concurrency": list(args.concurrency), "modes": {}}
     if args.url is not None:
@@ -186,11 +259,11 @@ def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
     with contextlib.ExitStack() as stack:
         servers = {}
         for mode in args.modes:  # every server first, then the waves of every mode side by side
-            drafter, policy = ("none", None) if mode == "plain" else (args.drafter, mode)
-            servers[mode] = stack.enter_context(in_process(args, engine_options, drafter, policy) if args.in_process
-                                                else ServerProcess(args, engine_options, drafter, policy))
-            result["modes"][mode] = {"startup_seconds": servers[mode].startup_seconds,
-                                     "profile_seconds": servers[mode].profile_seconds, "waves": []}
+            servers[mode.label] = stack.enter_context(in_process(args, engine_options, mode) if args.in_process
+                                                      else ServerProcess(args, engine_options, mode))
+            result["modes"][mode.label] = {"drafter": mode.drafter, "policy": mode.policy,
+                                           "startup_seconds": servers[mode.label].startup_seconds,
+                                           "profile_seconds": servers[mode.label].profile_seconds, "waves": []}
         models = {mode: warm_up(server.url, prompts, args) for mode, server in servers.items()}
         for concurrency in args.concurrency:  # each concurrency: the modes one after the other
             for mode, server in servers.items():
@@ -201,19 +274,19 @@ def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
 
 
 @contextlib.contextmanager
-def in_process(args, engine_options: dict, drafter: str, policy: str | None):
+def in_process(args, engine_options: dict, mode: Mode):
     """A mode's server on a thread of this process, as ``ServerProcess`` describes it."""
     from specdec.backends.target import load_target
 
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    engine, _ = build_engine(target, drafter, args, policy, **engine_options)
+    engine, _ = build_engine(target, mode.drafter, args, mode.policy, folder=mode.folder, **engine_options)
     with BackgroundServer(create_app(engine, target)) as server:
         server.startup_seconds, server.profile_seconds = time.perf_counter() - started, engine.profile_seconds
         yield server
 
 
-def serve_child(args, engine_options: dict, drafter: str, policy: str | None, reply) -> None:
+def serve_child(args, engine_options: dict, mode: Mode, reply) -> None:
     """A server process: load, build the engine, listen on a free port, report (url, start-up, profiling)."""
     import torch
 
@@ -224,7 +297,7 @@ def serve_child(args, engine_options: dict, drafter: str, policy: str | None, re
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     target = load_target(args.target, dtype=args.dtype, backend=args.backend)
-    engine, _ = build_engine(target, drafter, args, policy, **engine_options)
+    engine, _ = build_engine(target, mode.drafter, args, mode.policy, folder=mode.folder, **engine_options)
     sock = listen("127.0.0.1", 0)
     server = uvicorn_server(create_app(engine, target))
     reply.put((url_of(sock), time.perf_counter() - started, engine.profile_seconds))
@@ -235,13 +308,13 @@ class ServerProcess:
     """A mode's server in a process of its own (its engine on one core, the clients on another), until
     the end of a ``with`` block; ``startup_seconds`` counts loading, the engine (profiling) and binding."""
 
-    def __init__(self, args, engine_options: dict, drafter: str, policy: str | None, timeout: float = 900.0):
+    def __init__(self, args, engine_options: dict, mode: Mode, timeout: float = 900.0):
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self.reply = context.Queue()
         self.process = context.Process(target=serve_child,
-                                       args=(args, engine_options, drafter, policy, self.reply), daemon=True)
+                                       args=(args, engine_options, mode, self.reply), daemon=True)
         self.timeout = timeout
 
     def __enter__(self) -> "ServerProcess":
@@ -273,13 +346,14 @@ def format_table(result: dict) -> str:
     def cell(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    header = (f"{'mode':<11} {'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>8} {'user tok/s':>10} {'TTFT ms':>8} "
+    width = max([11] + [len(mode) for mode in result["modes"]])
+    header = (f"{'mode':<{width}} {'conc':>4} {'reqs':>4} {'err':>3} {'tok/s':>8} {'user tok/s':>10} {'TTFT ms':>8} "
               f"{'p50':>7} {'p90':>7} {'ITL ms':>7} {'p90':>7} {'TPOT ms':>7} {'accept':>6}")
     lines = [header, "-" * len(header)]
     for mode, entry in result["modes"].items():
         for w in entry["waves"]:
             ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
-            lines.append(f"{mode:<11} {w['concurrency']:>4} {w['requests']:>4} {w['errors']:>3} "
+            lines.append(f"{mode:<{width}} {w['concurrency']:>4} {w['requests']:>4} {w['errors']:>3} "
                          f"{cell(w['throughput'], '8.1f')} {cell(w['per_user_tokens_per_second'], '10.1f')} "
                          f"{cell(ms(w['ttft_mean']), '8.1f')} {cell(ms(w['ttft_p50']), '7.1f')} "
                          f"{cell(ms(w['ttft_p90']), '7.1f')} {cell(ms(w['itl_mean']), '7.1f')} "

@@ -128,9 +128,11 @@ class EngineRunner:
             pass
 
 
-def build_engine(target, drafter: str, options, policy: str | None = None, **engine_options):
+def build_engine(target, drafter: str, options, policy: str | None = None, folder: str | None = None,
+                 **engine_options):
     """An engine on ``target`` with a freshly built drafter (a registry name, built from the ``options``
-    namespace: --draft, n-gram sizes, ...); (engine, seconds it took). ``policy``: schedule.parse_policy's text."""
+    namespace: --draft, n-gram sizes, ...); (engine, seconds it took). ``policy``: schedule.parse_policy's
+    text; ``folder``: the drafter's folder in place of --draft."""
     from specdec.drafters.registry import build
     from specdec.engine import Engine
     from specdec.schedule import parse_policy
@@ -139,7 +141,7 @@ def build_engine(target, drafter: str, options, policy: str | None = None, **eng
     if drafter == "none":
         engine = Engine(target, None, **engine_options)
     else:
-        built = build(drafter, getattr(options, "draft", None), options)
+        built = build(drafter, folder or getattr(options, "draft", None), options)
         if hasattr(built, "check_compatible"):
             built.check_compatible(target)
         engine = Engine(target, built, policy=parse_policy(policy) if policy else None, **engine_options)
