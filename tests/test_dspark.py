@@ -296,3 +296,25 @@ def test_training_lowers_the_loss_calibrates_and_decodes_exactly(tmp_path):
     # the offline metric of the folder from the command line
     assert main(["train", "evaluate", "--drafter", str(out), "--target", str(zoo_path("target")),
                  "--heldout", "4", "--cache-dir", str(out / "checkpoints")]) == 0
+
+
+def test_bench_measures_dspark_beside_dflash_greedy_and_sampled(model_dirs, dspark_dirs, tmp_path):
+    from specdec.commands.bench import format_table, run_bench
+
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    target.eos_token_ids = ()
+    prompts = target.encode(PROMPTS[:2])
+    drafters = (("dflash", DFlash(random_dflash(target, tmp_path / "dflash"))), ("dspark", DSpark(dspark_dirs["llama"])))
+    result = run_bench(target, prompts, ks=[2], max_new_tokens=10, progress=False, drafters=drafters,
+                       block_sizes=(3, 4), with_transformers=False)
+    ks = {(row["family"], row["k"]) for row in result["rows"] if row["family"] in ("dflash", "dspark")}
+    assert ks == {("dflash", 2), ("dflash", 3), ("dspark", 3), ("dspark", 4)}  # DSpark's block of B drafts B
+    assert result["outputs_identical"] is True
+    assert "block drafting per step" in format_table(result)
+    sampled = run_bench(target, prompts, ks=[2], max_new_tokens=10, progress=False, drafters=drafters,
+                        sampling=SamplingConfig(0.7), policies=("conf-min:0.3",))
+    assert sampled["outputs_identical"] is None and sampled["sampling"]["temperature"] == 0.7
+    assert not any(row["impl"] == "transformers" for row in sampled["rows"])
+    assert any(row["family"] == "dspark" and "conf-min:0.3" in row["method"] for row in sampled["rows"])
+    assert all(row["tau"] >= 1 for row in sampled["rows"] if row["tau"] is not None)
+    assert "sampled at temperature 0.7" in format_table(sampled)

@@ -25,9 +25,11 @@ from specdec.drafters import DraftModel, NoDraft, PromptLookup
 from specdec.backends.costs import forward_time
 from specdec.drafters.base import TreeConfig
 from specdec.errors import InvalidArgumentError
+from specdec.sampling import SamplingConfig
 from specdec.backends.target import Target
 
-PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH = "plain", "draft-model", "prompt-lookup", "dflash"
+PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH, DSPARK = "plain", "draft-model", "prompt-lookup", "dflash", "dspark"
+BLOCK_DRAFTERS = (DFLASH, DSPARK)  # chains of one block per step: k follows --block-sizes
 EARLY_EXIT, MTP = "early-exit", "mtp"
 
 
@@ -40,6 +42,7 @@ class Engine:
     draft: DraftModel | None = None
     drafters: tuple = ()
     variant: str = ""            # a model of its own (a self-drafting variant), named in labels; "": the target
+    sampling: SamplingConfig = SamplingConfig()  # greedy, or the sampling every specdec method runs with
 
     @property
     def backend(self) -> str:
@@ -103,7 +106,8 @@ def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_
                    tag: str = "", tree: TreeConfig | None = None, note: str = "", policy: str | None = None):
     """policy: a policy's text (load-aware, confidence, conf-min:X, ...): k drafts at most, as many per
     step as it chooses; labelled with it."""
-    config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree)
+    config = GenerationConfig(num_draft_tokens=k or 1, max_new_tokens=max_new_tokens, tree=tree,
+                              sampling=engine.sampling)
     chooser = None
     if policy:
         from specdec.schedule import parse_policy
@@ -248,7 +252,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
             assistant = hf_assistant(drafter.net, model.config, model.dtype, model.device)
             methods += [transformers_method(target, model, DFLASH, assistant, k, max_new_tokens, max_ngram,
                                             counter, drafter_note(engines[0], DFLASH, drafter))
-                        for k in dflash_ks(drafter, block_sizes)]
+                        for k in block_ks(drafter, block_sizes)]
     if reference is not None:
         for engine in engines:
             if engine.variant:
@@ -286,10 +290,12 @@ def self_note(drafter, target) -> str:
     return f"depth={drafter.depth}" if drafter.depth else ""
 
 
-def dflash_ks(drafter, block_sizes) -> list[int]:
-    """Drafts per step of each DFlash block size measured (block - 1; default: the drafter's own block)."""
-    sizes = [b for b in block_sizes if b <= drafter.config.block_size] or [drafter.block_size]
-    return [b - 1 for b in sizes]
+def block_ks(drafter, block_sizes) -> list[int]:
+    """Drafts per step of each block size measured (default: the drafter's own block): DFlash's block of B
+    drafts B - 1 (its anchor slot predicts nothing), DSpark's B (every slot drafts)."""
+    smallest = 1 if drafter.name == DSPARK else 2
+    sizes = [b for b in block_sizes if smallest <= b <= drafter.config.block_size] or [drafter.block_size]
+    return [b - (drafter.name != DSPARK) for b in sizes]
 
 
 def drafter_note(engine: Engine, name: str, drafter) -> str:
@@ -304,8 +310,8 @@ def drafter_note(engine: Engine, name: str, drafter) -> str:
 
 def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str,
                     block_sizes=(), policies=()) -> list:
-    """The methods of an engine's trained drafters, as the registry says each drafts (DFlash: one
-    chain per block size, k = block - 1), chains also under each of ``policies`` at the largest k."""
+    """The methods of an engine's trained drafters, as the registry says each drafts (DFlash, DSpark: one
+    chain per block size, block_ks), chains also under each of ``policies`` at the largest k."""
     from specdec.drafters.registry import REGISTRY
 
     methods = []
@@ -315,7 +321,7 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             note = f"tree={getattr(drafter, 'tree_nodes', '?')} nodes"
             methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
             continue
-        chain_ks = dflash_ks(drafter, block_sizes) if name == DFLASH else ks
+        chain_ks = block_ks(drafter, block_sizes) if name in BLOCK_DRAFTERS else ks
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
@@ -339,7 +345,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
               trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = (),
-              policies: tuple = ()) -> dict:
+              policies: tuple = (), sampling: SamplingConfig | None = None) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
@@ -348,20 +354,26 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     trained drafters measured beside them on the target's engine. ``block_sizes``: DFlash blocks to
     measure (default: each DFlash drafter's own). ``policies``: every chain drafter also under each
     policy (schedule.parse_policy's texts: load-aware, confidence, conf-min:X, ...) that can drive it,
-    up to its largest k.
+    up to its largest k. ``sampling``: every specdec method samples (the table then reports tau,
+    acceptance and speed; the outputs are draws, compared with nothing, and transformers is not run).
     """
+    from dataclasses import replace
+
+    sampling = sampling or SamplingConfig()
+    if not sampling.greedy:
+        with_transformers = False
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
     if any(k < 1 for k in ks):
         raise InvalidArgumentError("every k must be >= 1")
     if any(b < 1 for b in batch_sizes):
         raise InvalidArgumentError("every batch size must be >= 1")
-    engines = [Engine(target, draft, tuple(drafters)), *more_engines]
+    engines = [replace(engine, sampling=sampling) for engine in (Engine(target, draft, tuple(drafters)), *more_engines)]
     reference = None
     if with_transformers:
         reference = transformers_models or (transformers_model(target), draft and transformers_model(draft))
-    if any(b < 2 for b in block_sizes):
-        raise InvalidArgumentError("every DFlash block size must be >= 2 (the pending token and a draft)")
+    if any(b < 1 for b in block_sizes):
+        raise InvalidArgumentError("every block size must be >= 1 (DFlash: >= 2, the pending token and a draft)")
     methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
                             tuple(trees), tuple(block_sizes), tuple(policies))
     idle = [policy for policy in policies if not any(m.policy == policy for m in methods)]
@@ -407,7 +419,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
             results += [(method, start + offset, output) for offset, output in enumerate(outputs)]
             bar.update(1)
     bar.close()
-    mismatches, differences = compare_outputs(results)
+    mismatches, differences = compare_outputs(results) if sampling.greedy else ([], [])
     # Implementations are compared for identity in float32 only: half precision and quantized weights
     # (int8 activations here, a dequantized float product in transformers) round each their own way.
     strict = target.backend.dtype == torch.float32 and not getattr(target.backend, "quantized_types", ())
@@ -425,7 +437,9 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     from specdec.models.kernels import cpu_summary
     result["cpu"], result["threads"] = cpu_summary(), torch.get_num_threads()
     result["implementations_compared_exactly"] = strict
-    result["outputs_identical"] = not mismatches and not (strict and differences)
+    result["outputs_identical"] = not mismatches and not (strict and differences) if sampling.greedy else None
+    if not sampling.greedy:
+        result["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return result
 
 
@@ -573,7 +587,13 @@ def format_table(result: dict) -> str:
                      f"{cell(row['ratio_vs_transformers'], '.2f'):>7} {cell(row['ratio_vs_batch_1'], '.2f'):>7} "
                      f"{cell(row.get('efficiency'), '.2f'):>7}")
     mismatches, differences = result["mismatches"], result.get("implementation_differences") or []
-    if mismatches:
+    sampled = result.get("sampling")
+    if sampled:
+        verdict = (f"sampled at temperature {sampled['temperature']}"
+                   + (f", top-k {sampled['top_k']}" if sampled["top_k"] else "")
+                   + (f", top-p {sampled['top_p']}" if sampled["top_p"] else "")
+                   + ": outputs are draws, compared with nothing (the sampling tests check the distribution)")
+    elif mismatches:
         verdict = (f"OUTPUTS DIFFER FROM PLAIN DECODING in {len(mismatches)} runs: " +
                    ", ".join(f"prompt {m['prompt']} ({m['method']})" for m in mismatches[:5]))
     elif differences:
@@ -597,9 +617,9 @@ def format_table(result: dict) -> str:
         lines.append(f"features for {name} (hidden_states {cost['hidden_layers']}): verifying {cost['tokens']} tokens "
                      f"{cost['verify_ms']:.3f} ms, with features {cost['with_features_ms']:.3f} ms"
                      + (f"; handing them on {min(steps):.3f}-{max(steps):.3f} ms per step" if steps else ""))
-    drafting = [row for row in result["rows"] if row["family"] == DFLASH and row.get("draft_ms_per_step")]
+    drafting = [row for row in result["rows"] if row["family"] in BLOCK_DRAFTERS and row.get("draft_ms_per_step")]
     if drafting:
-        lines.append("DFlash drafting per step (one pass per block): " + ", ".join(
+        lines.append("block drafting per step (one pass per block): " + ", ".join(
             f"{row['method'].removeprefix('specdec ')} {row['draft_ms_per_step']:.3f} ms" for row in drafting))
     for backend, curve in (result.get("cost_curve") or {}).items():
         lines.append(f"T(n)/T(1) on {backend} at context {curve['context']}: " + ", ".join(
@@ -635,13 +655,18 @@ def add_bench_command(commands) -> None:
                        help="batch sizes for specdec's methods (transformers' run at batch 1)")
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-transformers", action="store_true", help="skip transformers' implementations")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="sample at this temperature (default 0: greedy); sampled runs report tau and speed, "
+                            "compare no outputs and run no transformers methods")
+    bench.add_argument("--top-k", type=int, default=None, help="sampling: keep the k likeliest tokens")
+    bench.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
     bench.add_argument("--drafters", nargs="+", default=[], metavar="NAME[=DIR]",
                        help="trained drafters to measure too (medusa, eagle, eagle3, dflash; SGLang/vLLM names accepted); "
                             "without =DIR the zoo's, trained for the zoo target. Self-drafting models: early-exit=DIR, "
                             "mtp=DIR (without =DIR the zoo's variants), each beside its own plain decoding")
     bench.add_argument("--block-sizes", nargs="+", type=int, default=[], metavar="B",
-                       help="DFlash: block sizes to measure, the pending token included (k = B - 1; default: "
-                            "the drafter's own)")
+                       help="DFlash and DSpark: block sizes to measure (DFlash's block includes the pending token, "
+                            "k = B - 1; every DSpark slot drafts, k = B; default: each drafter's own block)")
     bench.add_argument("--exit-layers", nargs="+", type=int, default=[], metavar="E",
                        help="early-exit: exit layers to measure, each with and without reusing the drafted layers "
                             "(default: the one the model's folder records)")
@@ -719,17 +744,18 @@ def run_bench_command(args) -> int:
                        max_ngram=args.max_ngram, min_ngram=args.min_ngram, with_transformers=not args.no_transformers,
                        more_engines=tuple(engines[1:] + variants), trees=tuple(trees), drafters=first.drafters,
                        block_sizes=tuple(args.block_sizes),
-                       policies=tuple(dict.fromkeys(args.policies + ["load-aware"] * args.load_aware)))
+                       policies=tuple(dict.fromkeys(args.policies + ["load-aware"] * args.load_aware)),
+                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
-    if args.record and result["outputs_identical"]:
+    if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
         for name, folder in requested:
             record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
                                                  f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads")
-    return 0 if result["outputs_identical"] else 1
+    return 0 if result["outputs_identical"] is not False else 1
 
 
 def record_fastest(result: dict, name: str, folder: str, measured_on: str) -> dict | None:
