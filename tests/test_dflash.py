@@ -305,4 +305,4 @@ def test_bench_measures_dflash_beside_transformers_dflash(model_dirs, dflash_dir
         assert mine["ratio_vs_transformers"] is not None and mine["draft_ms_per_step"] > 0
         assert rows[f"specdec dflash k={k} (other)"]["ratio_vs_transformers"] is None
         assert rows[f"transformers dflash k={k} (llama)"]["tau"] >= 1.0
-    assert "DFlash drafting per step" in format_table(result)
+    assert "block drafting per step" in format_table(result)
