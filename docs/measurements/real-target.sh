@@ -36,3 +36,23 @@ specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompt
   -k 2 4 --block-sizes 3 5 --drafters eagle3 dflash --threads 2 --output $OUT/real-bench-q4_1.json
 specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
   -k 2 4 --block-sizes 3 5 --drafters eagle3 dflash --record --threads 2 --output $OUT/real-bench-float32-2.json
+echo "== (third session, AMD EPYC Zen 3, AVX2 only) DSpark on DFlash's data and features: same run, blocks of 7 drafts"
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --data-dir runs/data --out runs/cache-build/out \
+  --ckpt-dir runs/cache-build/ckpt --threads 2 --max-minutes 0   # rebuilds the token ids and the feature cache only
+specdec train dspark --target smollm2-135m --preset dspark-sharegpt --data-dir runs/data \
+  --out runs/smollm2-dspark/out --ckpt-dir runs/smollm2-dspark/ckpt --threads 2 --max-minutes 70
+#   (stopped at step N with a kill when the session's time ran short, then exported:)
+specdec train dspark --target smollm2-135m --data-dir runs/data --out runs/smollm2-dspark/out \
+  --ckpt-dir runs/smollm2-dspark/ckpt --resume --max-minutes 0 --threads 2
+mkdir -p src/specdec/zoo/data/smollm2-135m/dspark && cp runs/smollm2-dspark/out/* src/specdec/zoo/data/smollm2-135m/dspark/
+echo "== DSpark beside DFlash (blocks of 8 = 7 drafts, and 7) and EAGLE-3, greedy and at temperature 0.7, batch 1"
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
+  --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
+  --threads 2 --output $OUT/dspark-greedy.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
+  --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
+  --temperature 0.7 --threads 2 --output $OUT/dspark-t07.json
+echo "== served: plain, DFlash at its block, DSpark cut at a confidence threshold, DSpark with the scheduler"
+specdec bench-serve --target smollm2-135m --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 32 --tasks sharegpt \
+  --threads 2 --output $OUT/dspark-serve.json
