@@ -318,3 +318,15 @@ def test_bench_measures_dspark_beside_dflash_greedy_and_sampled(model_dirs, dspa
     assert any(row["family"] == "dspark" and "conf-min:0.3" in row["method"] for row in sampled["rows"])
     assert all(row["tau"] >= 1 for row in sampled["rows"] if row["tau"] is not None)
     assert "sampled at temperature 0.7" in format_table(sampled)
+
+
+def test_bench_serve_modes_find_the_drafters_committed_for_the_real_target():
+    import argparse
+
+    from specdec.serve.bench import parse_mode, resolve_mode
+
+    args = argparse.Namespace(target="smollm2-135m", drafter="dspark", draft=None)
+    for name in ("dflash", "dspark"):
+        mode = resolve_mode(parse_mode(f"{name}@fixed"), args, False)
+        assert mode.folder.endswith(f"smollm2-135m/{name}") and (json.loads(
+            open(f"{mode.folder}/config.json").read())["specdec"]["method"] == name)

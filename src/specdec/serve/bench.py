@@ -87,26 +87,32 @@ def parse_mode(text: str) -> Mode:
 
 
 def resolve_mode(mode: Mode, args, zoo_target: bool) -> Mode:
-    """A mode's drafter and folder filled in: --drafter and --draft where it names none, the zoo's
-    folder for a drafter the zoo trains for its own target."""
+    """A mode's drafter and folder filled in: --drafter and --draft where it names none, the folder
+    committed for a real target (``smollm2-135m/dflash``), the zoo's for a drafter the zoo trains for
+    its own target."""
     from specdec.drafters.registry import REGISTRY
     from specdec.errors import InvalidArgumentError
 
     if mode.plain:
         return mode
     if mode.drafter is None or (mode.drafter == args.drafter and mode.folder is None):
-        return dataclasses.replace(mode, drafter=args.drafter, folder=mode.folder or args.draft)
+        mode = dataclasses.replace(mode, drafter=args.drafter, folder=mode.folder or args.draft)
+        if mode.folder is not None or not REGISTRY[mode.drafter].folder:
+            return mode
     entry = REGISTRY[mode.drafter]
     if entry.zoo_variant:
         raise InvalidArgumentError(f"mode {mode.label}: {entry.name} drafts with a model of its own; the modes share "
                                    "one target, so give it as --drafter")
     folder = mode.folder
     if entry.folder and folder is None:
-        if not (zoo_target and entry.zoo):
+        from specdec.zoo import REAL_MODELS, data_dir, zoo_path
+        if str(args.target) in REAL_MODELS and (data_dir() / str(args.target) / entry.name).is_dir():
+            folder = str(zoo_path(f"{args.target}/{entry.name}"))  # the drafter trained for this real target
+        elif zoo_target and entry.zoo:
+            folder = str(zoo_path(entry.zoo))
+        else:
             raise InvalidArgumentError(f"mode {mode.label}: {entry.name} needs its folder, as "
                                        f"{entry.name}=DIR@{mode.policy}")
-        from specdec.zoo import zoo_path
-        folder = str(zoo_path(entry.zoo))
     return dataclasses.replace(mode, folder=folder)
 
 
