@@ -106,8 +106,9 @@ def resolve_mode(mode: Mode, args, zoo_target: bool) -> Mode:
     folder = mode.folder
     if entry.folder and folder is None:
         from specdec.zoo import REAL_MODELS, data_dir, zoo_path
-        if str(args.target) in REAL_MODELS and (data_dir() / str(args.target) / entry.name).is_dir():
-            folder = str(zoo_path(f"{args.target}/{entry.name}"))  # the drafter trained for this real target
+        target = str(getattr(args, "target", ""))
+        if target in REAL_MODELS and (data_dir() / target / entry.name).is_dir():
+            folder = str(zoo_path(f"{target}/{entry.name}"))  # the drafter trained for this real target
         elif zoo_target and entry.zoo:
             folder = str(zoo_path(entry.zoo))
         else:
