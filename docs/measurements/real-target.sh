@@ -50,9 +50,9 @@ specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 -
   --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
   --threads 2 --output $OUT/dspark-greedy.json
 specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
-  --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
-  --temperature 0.7 --threads 2 --output $OUT/dspark-t07.json
+  --drafters eagle3 dflash dspark --block-sizes 8 --policies conf-min:0.3 confidence --no-transformers \
+  --temperature 0.7 --threads 2 --output $OUT/dspark-t07.json   # run with --num-prompts 2 --max-new-tokens 64
 echo "== served: plain, DFlash at its block, DSpark cut at a confidence threshold, DSpark with the scheduler"
 specdec bench-serve --target smollm2-135m --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
-  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 32 --tasks sharegpt \
-  --threads 2 --output $OUT/dspark-serve.json
+  dspark@confidence --concurrency 1 4 16 --requests-per-client 1 --max-tokens 16 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve.json
