@@ -33,18 +33,24 @@ class DFlash:
     name = "dflash"
     label = "DFlash"
 
+    load_net = staticmethod(dflash.load_net)
+    runtime_class = dflash.DFlashRuntime
+    anchor_drafts = False  # the anchor slot predicts nothing: a block of B gives B - 1 drafts
+
     def __init__(self, path: str | os.PathLike, block_size: int | None = None):
         self.path = str(path)
-        self.net = dflash.load_net(path)
+        self.net = self.load_net(path)
         self.config = self.net.config
         trained = self.config.block_size
         block_size = trained if block_size is None else int(block_size)
-        if not 2 <= block_size <= trained:
-            raise InvalidArgumentError(f"DFlash block size must be in 2..{trained} (the drafter in {self.path} "
-                                       f"was trained with blocks of {trained}), got {block_size}")
+        smallest = 1 if self.anchor_drafts else 2
+        if not smallest <= block_size <= trained:
+            raise InvalidArgumentError(f"{self.label} block size must be in {smallest}..{trained} (the drafter in "
+                                       f"{self.path} was trained with blocks of {trained}), got {block_size}")
         self.block_size = block_size
+        drafts = block_size if self.anchor_drafts else block_size - 1
         recorded, _ = recorded_defaults(self.path)   # the k that measured fastest, when the block is the trained one
-        self.default_draft_tokens = min(recorded or block_size - 1, block_size - 1)
+        self.default_draft_tokens = min(recorded or drafts, drafts)
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
         self._runtimes: dict = {}
 
@@ -58,16 +64,16 @@ class DFlash:
     def runtime(self, target) -> dflash.DFlashRuntime:
         key = (id(target), target.backend.dtype)
         if key not in self._runtimes:
-            require_kernels(target, "DFlash drafters")
-            self._runtimes = {key: dflash.DFlashRuntime(self.net, target.input_embeddings(), target,
-                                                        target.backend.dtype, llama.drafter_qtype(target))}
+            require_kernels(target, f"{self.label} drafters")
+            self._runtimes = {key: self.runtime_class(self.net, target.input_embeddings(), target,
+                                                      target.backend.dtype, llama.drafter_qtype(target))}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":
         self.check_target(context.target)
         if context.tree is not None:
-            raise InvalidArgumentError("DFlash drafts chains (one block per step); token-tree options do not apply")
-        return DFlashSession(self.runtime(context.target), context, seqs.batch_size, self.block_size)
+            raise InvalidArgumentError(f"{self.label} drafts chains (one block per step); token-tree options do not apply")
+        return self.session_class(self.runtime(context.target), context, seqs.batch_size, self.block_size)
 
 
 class DFlashSession:
@@ -126,3 +132,6 @@ class DFlashSession:
         batch = self.cache.batch_size
         return (like.new_zeros(batch, 0, like.shape[2]),
                 torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
+
+
+DFlash.session_class = DFlashSession

@@ -11,16 +11,12 @@ the confidence policies (specdec.schedule); it reads only the drafts before each
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, recorded_defaults
+from specdec.drafters.base import Proposal
 from specdec.drafters.dflash import DFlash, DFlashSession
-from specdec.drafters.eagle import require_kernels
-from specdec.errors import InvalidArgumentError
-from specdec.models import dspark, llama
+from specdec.models import dspark
 from specdec.sampling import probabilities, sample
 
 
@@ -32,34 +28,9 @@ class DSpark(DFlash):
     label = "DSpark"
     has_confidence = True
 
-    def __init__(self, path: str | os.PathLike, block_size: int | None = None):
-        self.path = str(path)
-        self.net = dspark.load_net(path)
-        self.config = self.net.config
-        trained = self.config.block_size
-        block_size = trained if block_size is None else int(block_size)
-        if not 1 <= block_size <= trained:
-            raise InvalidArgumentError(f"DSpark block size must be in 1..{trained} (the drafter in {self.path} "
-                                       f"was trained with blocks of {trained}), got {block_size}")
-        self.block_size = block_size
-        recorded, _ = recorded_defaults(self.path)
-        self.default_draft_tokens = min(recorded or block_size, block_size)
-        self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
-        self._runtimes: dict = {}
-
-    def runtime(self, target) -> dspark.DSparkRuntime:
-        key = (id(target), target.backend.dtype)
-        if key not in self._runtimes:
-            require_kernels(target, "DSpark drafters")
-            self._runtimes = {key: dspark.DSparkRuntime(self.net, target.input_embeddings(), target,
-                                                        target.backend.dtype, llama.drafter_qtype(target))}
-        return self._runtimes[key]
-
-    def start(self, context: DecodeContext, seqs: Sequences) -> "DSparkSession":
-        self.check_target(context.target)
-        if context.tree is not None:
-            raise InvalidArgumentError("DSpark drafts chains (one block per step); token-tree options do not apply")
-        return DSparkSession(self.runtime(context.target), context, seqs.batch_size, self.block_size)
+    load_net = staticmethod(dspark.load_net)
+    runtime_class = dspark.DSparkRuntime
+    anchor_drafts = True
 
 
 class DSparkSession(DFlashSession):
@@ -87,3 +58,6 @@ class DSparkSession(DFlashSession):
         confidence = torch.stack(confidences, 1) if confidences[0] is not None else None
         return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
                         confidence=confidence)
+
+
+DSpark.session_class = DSparkSession
