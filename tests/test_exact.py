@@ -199,19 +199,21 @@ def test_threads_split_work_without_changing_a_bit(dtype, backends):
 def test_kernels_match_their_definition(dtype):
     """Each kernel against a float64 reference of what it computes, and row by row invariant."""
     generator = torch.Generator().manual_seed(4)
-    x = torch.randn(23, 37, generator=generator).to(dtype)
-    w = torch.randn(37, 45, generator=generator).to(dtype)
-    bias = torch.randn(45, generator=generator).to(dtype)
-    matrix = kernels.Matrix.pack(w)
-    assert torch.equal(matrix.unpack(), w)
-    y = kernels.linear(x, matrix, bias=bias, norm_eps=1e-5)
-    x64 = x.double()
-    ref = (x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) @ w.double() + bias.double()
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
-    assert torch.allclose(y.double(), ref, atol=tolerance * 10, rtol=tolerance)
-    for rows in range(1, 23):
-        assert torch.equal(kernels.linear(x[rows - 1:rows + rows - 1], matrix, bias=bias, norm_eps=1e-5),
-                           y[rows - 1:rows + rows - 1])
+    # 200 inputs: the products walk K in pieces; 61 rows: several passes over the weights
+    for M, K, N in ((23, 37, 45), (61, 200, 163)):
+        x = torch.randn(2 * M, K, generator=generator).to(dtype)
+        w = torch.randn(K, N, generator=generator).to(dtype)
+        bias = torch.randn(N, generator=generator).to(dtype)
+        matrix = kernels.Matrix.pack(w)
+        assert torch.equal(matrix.unpack(), w)
+        y = kernels.linear(x, matrix, bias=bias, norm_eps=1e-5)
+        x64 = x.double()
+        ref = (x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) @ w.double() + bias.double()
+        assert torch.allclose(y.double(), ref, atol=tolerance * 10, rtol=tolerance)
+        for rows in range(1, M):
+            assert torch.equal(kernels.linear(x[rows - 1:rows + rows - 1], matrix, bias=bias, norm_eps=1e-5),
+                               y[rows - 1:rows + rows - 1])
     gate_up = torch.randn(5, 2 * 37, generator=generator).to(dtype)
     gate, up = gate_up.double().chunk(2, dim=-1)
     assert torch.allclose(kernels.silu_mul(gate_up).double(), torch.nn.functional.silu(gate) * up,

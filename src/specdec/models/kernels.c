@@ -307,14 +307,17 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
 #define LOAD_F16(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR)
 #define LOAD_F16_HI(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR + 8)
 
-#define TILE(R, P, NAME, LO, HI)                                                                 \
-static void tile_##NAME##_##R##_##P(const float* x, long K, const void* wp, long pstride,        \
-                                    float* acc_out) {                                            \
+/* With `ahead`, a tile also asks for the weights `ahead` elements further on in each panel, into L2:
+ * the next group's, read from memory while this group's work runs from L2. */
+#define TILE_PF(R, P, NAME, LO, HI, PF, FN)                                                      \
+static void FN(const float* x, long K, const void* wp, long pstride, float* acc_out, long ahead) { \
     v8 acc[R][2 * P];                                                                            \
+    (void)ahead;                                                                                 \
     for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++) acc[r][c] = v_zero();          \
     for (long k = 0; k < K; k++) {                                                               \
         v8 wv[2 * P];                                                                            \
         for (int p = 0; p < P; p++) { wv[2 * p] = LO(wp, p, k, pstride); wv[2 * p + 1] = HI(wp, p, k, pstride); } \
+        if (PF) for (int p = 0; p < P; p++) PREFETCH_##NAME(wp, p * pstride + k * NR + ahead);     \
         for (int r = 0; r < R; r++) {                                                            \
             v8 xv = v_set1(x[r * K + k]);                                                        \
             for (int c = 0; c < 2 * P; c++) acc[r][c] = v_fma(xv, wv[c], acc[r][c]);            \
@@ -323,29 +326,43 @@ static void tile_##NAME##_##R##_##P(const float* x, long K, const void* wp, long
     for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++)                                  \
         v_store(acc_out + (long)r * 6 * NR + c * 8, acc[r][c]);                                  \
 }
+/* Each tile twice: plain, and (3 rows and more, where a group's weights are reused from L2) asking
+ * for the weights `ahead` elements further on in each panel, the next group's, while it works. */
+#define TILE(R, P, NAME, LO, HI)                                                                 \
+    TILE_PF(R, P, NAME, LO, HI, 0, tile_##NAME##_##R##_##P)                                      \
+    TILE_PF(R, P, NAME, LO, HI, 1, tilepf_##NAME##_##R##_##P)
+#if defined(__AVX2__)
+#define PREFETCH_f32(w, at) _mm_prefetch((const char*)((const float*)(w) + (at)), _MM_HINT_T1)
+#define PREFETCH_bf16(w, at) _mm_prefetch((const char*)((const uint16_t*)(w) + (at)), _MM_HINT_T1)
+#else
+#define PREFETCH_f32(w, at) ((void)0)
+#define PREFETCH_bf16(w, at) ((void)0)
+#endif
+#define PREFETCH_f16 PREFETCH_bf16
 #define TILES(NAME, LO, HI) \
     TILE(6, 1, NAME, LO, HI) TILE(5, 1, NAME, LO, HI) TILE(4, 1, NAME, LO, HI) TILE(3, 2, NAME, LO, HI) \
     TILE(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
     TILE(1, 6, NAME, LO, HI) TILE(1, 5, NAME, LO, HI) TILE(1, 4, NAME, LO, HI) TILE(1, 3, NAME, LO, HI) \
     TILE(1, 2, NAME, LO, HI) TILE(1, 1, NAME, LO, HI)                                                 \
-static tile_fn pick_##NAME(int R, int P) {                                                          \
+static tile_fn pick_##NAME(int R, int P, int pf) {                                                  \
     switch (R) {                                                                                     \
-    case 6: return tile_##NAME##_6_1;                                                                \
-    case 5: return tile_##NAME##_5_1;                                                                \
-    case 4: return tile_##NAME##_4_1;                                                                \
-    case 3: return P >= 2 ? tile_##NAME##_3_2 : tile_##NAME##_3_1;                                   \
+    case 6: return pf ? tilepf_##NAME##_6_1 : tile_##NAME##_6_1;                                     \
+    case 5: return pf ? tilepf_##NAME##_5_1 : tile_##NAME##_5_1;                                     \
+    case 4: return pf ? tilepf_##NAME##_4_1 : tile_##NAME##_4_1;                                     \
+    case 3: return P >= 2 ? (pf ? tilepf_##NAME##_3_2 : tile_##NAME##_3_2)                          \
+                          : (pf ? tilepf_##NAME##_3_1 : tile_##NAME##_3_1);                          \
     case 2: return P >= 3 ? tile_##NAME##_2_3 : P == 2 ? tile_##NAME##_2_2 : tile_##NAME##_2_1;      \
     default: return P >= 6 ? tile_##NAME##_1_6 : P == 5 ? tile_##NAME##_1_5 : P == 4 ? tile_##NAME##_1_4 \
                    : P == 3 ? tile_##NAME##_1_3 : P == 2 ? tile_##NAME##_1_2 : tile_##NAME##_1_1;       \
     }                                                                                                \
 }
-typedef void (*tile_fn)(const float*, long, const void*, long, float*);
+typedef void (*tile_fn)(const float*, long, const void*, long, float*, long);
 TILES(f32, LOAD_F32, LOAD_F32_HI)
 TILES(bf16, LOAD_BF16, LOAD_BF16_HI)
 TILES(f16, LOAD_F16, LOAD_F16_HI)
 
-static tile_fn pick_tile(int R, int P, int dtype) {
-    return dtype == BF16 ? pick_bf16(R, P) : dtype == F16 ? pick_f16(R, P) : pick_f32(R, P);
+static tile_fn pick_tile(int R, int P, int dtype, int pf) {
+    return dtype == BF16 ? pick_bf16(R, P, pf) : dtype == F16 ? pick_f16(R, P, pf) : pick_f32(R, P, pf);
 }
 
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
@@ -353,15 +370,18 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
     float acc[6 * 6 * NR];
     long pstride = K * NR;
     size_t wsize = esize(o->dtype);
-    /* Panels outer, rows inner: a group of panels stays in L1 while every row block uses it. */
+    /* Panels outer, rows inner: a group of panels stays in L2 while every row block uses it, and the
+       first row block asks for the next group's weights meanwhile. */
     for (long p = p0; p < p1;) {
         int group = (int)(p1 - p < 6 ? p1 - p : 6);
+        long ahead = M > 2 && p + group < p1 ? group * pstride : 0;
         for (long m = 0; m < M;) {
-            int R = M - m >= 6 ? 6 : (int)(M - m);
+            int R = M - m >= 6 ? 6 : M - m == 4 ? 2 : M - m == 5 ? 3 : (int)(M - m);
             for (long q = p; q < p + group;) {
                 int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
                 if (P > p + group - q) P = (int)(p + group - q);
-                pick_tile(R, P, o->dtype)(xf + m * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                pick_tile(R, P, o->dtype, m == 0 && ahead)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
+                                                           pstride, acc, ahead);
                 finish_tile(o, acc, 6 * NR, m, R, q * NR, P * NR);
                 q += P;
             }
@@ -473,7 +493,7 @@ static void linear_part(void* arg, int part, int parts) {
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
  * of microseconds, and torch's own threads compete for the same cores between kernel calls. */
 static long parallel_threshold = 1L << 22;
-static long parallel_bytes = 1L << 19;  /* quantized weights: split a product reading at least this much */
+static long parallel_bytes = 1L << 19;  /* split a product whose weights are at least this many bytes */
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
 void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
 
@@ -498,7 +518,10 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
 #endif
     struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}};
     long panels = (N + NR - 1) / NR;
-    int parts = M * K * N >= parallel_threshold ? active_threads : 1;
+    /* Split when there are enough multiply-adds, or enough weight bytes that even one row's pass is a
+       stream from memory, which two cores read faster than one. */
+    long weight_bytes = panels * NR * K * (long)esize(dtype);
+    int parts = M * K * N >= parallel_threshold || weight_bytes >= parallel_bytes ? active_threads : 1;
     if (parts > panels) parts = (int)panels;
     run_parallel(linear_part, &job, parts);
     free(xf);
@@ -666,49 +689,87 @@ static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t
     qtile_body(x, m0, panel, pbytes, TYPE, acc, R, 2);                                             \
 }
 #define QTILE(R) QTILE_TYPE(R, q8_0, Q8_0) QTILE_TYPE(R, q4_0, Q4_0) QTILE_TYPE(R, q4_1, Q4_1)
-#else
-#define QROWS 4
-#if defined(__AVX2__) && defined(__FMA__)
+#define QENTRY(R) {{qtile_q8_0_##R##_1, qtile_q4_0_##R##_1, qtile_q4_1_##R##_1},                        \
+                   {qtile_q8_0_##R##_2, qtile_q4_0_##R##_2, qtile_q4_1_##R##_2}},
+#define QROWS_Q4 8 /* the 4-bit types unpack into more registers: at most 8 rows per block */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SD_QVECTOR "avx2"
-/* Two registers of 8 columns per 4-input group; products in int16 pairs (no overflow: Q8_0 as
- * |w| times a with w's sign, |w| <= 128, |a| <= 127), summed to int32 by pairs of pairs. */
-static inline __m256i qdot8(__m256i w, __m256i a, int signed_w) {
-    __m256i ones = _mm256_set1_epi16(1);
-    if (signed_w) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-}
-static inline void qsums(const uint8_t* codes, int wtype, const int8_t* a, int32_t* out) {
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    int32_t quad[8];
-    memcpy(quad, a, 32);
-    for (int h = 0; h < 2; h++) {
-        if (wtype == Q8_0) {
-            __m256i flip = _mm256_set1_epi8((char)0x80);
-            for (int g = 0; g < 8; g++) {
-                __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
-                s[h] = _mm256_add_epi32(s[h], qdot8(w, _mm256_set1_epi32(quad[g]), 1));
-            }
-        } else {
-            __m256i lo = _mm256_set1_epi8(15);
-            for (int v = 0; v < 4; v++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
-                s[h] = _mm256_add_epi32(s[h], qdot8(_mm256_and_si256(raw, lo), _mm256_set1_epi32(quad[v]), 0));
-                s[h] = _mm256_add_epi32(s[h], qdot8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), lo),
-                                                    _mm256_set1_epi32(quad[4 + v]), 0));
+#define QROWS 16
+#define QROWS_Q4 16
+/* Eight lanes: a block's 16 columns are two halves of 8, each unpacked once per block into an L1
+ * buffer that every row of the tile then reads (the rows' chains live in memory too: each is touched
+ * once per block, after some 30 integer operations). Products in int16 pairs by vpmaddubsw: the 4-bit
+ * types' eight pair sums of a half add up in int16 (|c a| <= 15 * 127, sixteen products per lane
+ * < 2^15) before one vpmaddwd; Q8_0 as |q| times a with q's sign (q = c - 128; |q| <= 128, |a| <= 127,
+ * a pair fits int16), each pair sum widened at once. Q8_0's sums are then sum q a, which is exactly
+ * sum c a - 128 A: the same integer the other builds form, so the same bits after it. */
+static inline __attribute__((always_inline)) void qtile_body(const struct qrows* x, long m0, const uint8_t* panel,
+                                                             int wtype, float* acc_out, const int R) {
+    __m256 acc[QROWS][2];
+    __m256i w[2][16]; /* per half: Q4 nibbles (v low, then v high); Q8_0 |q| then q */
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    long nb = x->K / 32, bytes = qblock_bytes(wtype);
+    int z = wtype == Q8_0 ? 0 : qzero(wtype), q4 = wtype != Q8_0, has_m = wtype == Q4_1;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t* blk = panel + b * bytes;
+        const uint8_t* codes = blk + (has_m ? 64 : 32);
+        __m256 d[2], m[2];
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
+            m[h] = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h))) : d[h];
+            if (q4) {
+                for (int v = 0; v < 4; v++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
+                    w[h][v] = _mm256_and_si256(raw, low);
+                    w[h][4 + v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
+            } else {
+                for (int g = 0; g < 8; g++) {
+                    __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
+                    w[h][g] = _mm256_abs_epi8(q);
+                    w[h][8 + g] = q;
+                }
             }
         }
-        _mm256_storeu_si256((__m256i*)(out + 8 * h), s[h]);
+        for (int r = 0; r < R; r++) {
+            const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+            long at = (m0 + r) * nb + b;
+            __m256 s = _mm256_set1_ps(x->s[at]), sA = _mm256_set1_ps(x->sA[at]);
+            __m256i zA = _mm256_set1_epi32(z * x->A[at]);
+            for (int h = 0; h < 2; h++) {
+                __m256i sum;
+                if (q4) {
+                    __m256i pairs = _mm256_maddubs_epi16(w[h][0], _mm256_set1_epi32(quad[0]));
+                    for (int g = 1; g < 8; g++)
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[h][g], _mm256_set1_epi32(quad[g])));
+                    sum = _mm256_madd_epi16(pairs, ones);
+                } else {
+                    sum = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) {
+                        __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(quad[g]), w[h][8 + g]);
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[h][g], a), ones));
+                    }
+                }
+                sum = _mm256_sub_epi32(sum, zA);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], s), _mm256_cvtepi32_ps(sum), acc[r][h]);
+                if (has_m) acc[r][h] = _mm256_fmadd_ps(m[h], sA, acc[r][h]);
+            }
+        }
     }
-    if (wtype == Q8_0) { /* the signed products above are sum w a; the convention below subtracts z A */
-        int32_t A = 0;
-        for (int i = 0; i < 32; i++) A += a[i];
-        for (int j = 0; j < 16; j++) out[j] += 128 * A;
-    }
+    for (int r = 0; r < R; r++) for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out + r * 2 * NR + 8 * h, acc[r][h]);
 }
+#define QTILE_TYPE(R, NAME, TYPE)                                                                  \
+static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t* panel, long pbytes, float* acc) { \
+    (void)pbytes; qtile_body(x, m0, panel, TYPE, acc, R);                                          \
+}
+#define QTILE(R) QTILE_TYPE(R, q8_0, Q8_0) QTILE_TYPE(R, q4_0, Q4_0) QTILE_TYPE(R, q4_1, Q4_1)
+#define QPANELS(R) 1
+#define QENTRY(R) {{qtile_q8_0_##R##_1, qtile_q4_0_##R##_1, qtile_q4_1_##R##_1}, {0, 0, 0}},
 #else
 #define SD_QVECTOR "portable"
-#define qsums qsums_portable
-#endif
+#define QROWS 4
+#define QROWS_Q4 4
 #define QPANELS(R) 1
 #define QTILE_TYPE(R, NAME, WTYPE)                                                                 \
 static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t* panel, long pbytes,     \
@@ -729,7 +790,7 @@ static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t
         for (int r = 0; r < R; r++) {                                                              \
             long at = (m0 + r) * nb + b;                                                           \
             int32_t sums[16];                                                                      \
-            qsums(codes, wtype, x->a + (m0 + r) * x->K + b * 32, sums);                            \
+            qsums_portable(codes, wtype, x->a + (m0 + r) * x->K + b * 32, sums);                   \
             float s = x->s[at], sA = x->sA[at];                                                    \
             for (int j = 0; j < 16; j++) {                                                         \
                 acc[r][j] = fmaf(d[j] * s, (float)(sums[j] - z * x->A[at]), acc[r][j]);            \
@@ -740,23 +801,10 @@ static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t
     for (int r = 0; r < R; r++) memcpy(acc_out + r * 2 * NR, acc[r], sizeof(acc[r]));              \
 }
 #define QTILE(R) QTILE_TYPE(R, q8_0, Q8_0) QTILE_TYPE(R, q4_0, Q4_0) QTILE_TYPE(R, q4_1, Q4_1)
-#define qtile_q8_0_1_2 0  /* one panel per tile here */
-#define qtile_q4_0_1_2 0
-#define qtile_q4_1_1_2 0
-#define qtile_q8_0_2_2 0
-#define qtile_q4_0_2_2 0
-#define qtile_q4_1_2_2 0
-#define qtile_q8_0_3_2 0
-#define qtile_q4_0_3_2 0
-#define qtile_q4_1_3_2 0
-#define qtile_q8_0_4_2 0
-#define qtile_q4_0_4_2 0
-#define qtile_q4_1_4_2 0
+#define QENTRY(R) {{qtile_q8_0_##R##_1, qtile_q4_0_##R##_1, qtile_q4_1_##R##_1}, {0, 0, 0}},
 #endif
 typedef void (*qtile_fn)(const struct qrows*, long, const uint8_t*, long, float*);
 QTILE(1) QTILE(2) QTILE(3) QTILE(4)
-#define QENTRY(R) {{qtile_q8_0_##R##_1, qtile_q4_0_##R##_1, qtile_q4_1_##R##_1},                        \
-                   {qtile_q8_0_##R##_2, qtile_q4_0_##R##_2, qtile_q4_1_##R##_2}},
 #if QROWS == 16
 QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12) QTILE(13) QTILE(14) QTILE(15) QTILE(16)
 static const qtile_fn qtiles[17][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4) QENTRY(5) QENTRY(6)
@@ -773,7 +821,7 @@ static void qlinear_part(void* arg, int part, int parts) {
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     float acc[QROWS * 2 * NR];
     /* Rows per block: up to QROWS; the 4-bit types unpack into more registers, so at most 8 there. */
-    long rows = j->wtype == Q8_0 || QROWS < 8 ? QROWS : 8;
+    long rows = j->wtype == Q8_0 ? QROWS : QROWS_Q4;
     long blocks = (j->M + rows - 1) / rows;
     /* Groups of 8 panels (a few KiB each) stay in L2 while every row block uses them. */
     for (long p = p0; p < p1; p += 8) {
