@@ -493,7 +493,9 @@ static void linear_part(void* arg, int part, int parts) {
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
  * of microseconds, and torch's own threads compete for the same cores between kernel calls. */
 static long parallel_threshold = 1L << 22;
-static long parallel_bytes = 1L << 19;  /* split a product whose weights are at least this many bytes */
+/* Split a product whose weights are at least this many bytes (quantized; float ones twice as many):
+ * below that they come from the caches (a small model), where a second thread costs more than it saves. */
+static long parallel_bytes = 1L << 19;
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
 void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
 
@@ -521,7 +523,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
     /* Split when there are enough multiply-adds, or enough weight bytes that even one row's pass is a
        stream from memory, which two cores read faster than one. */
     long weight_bytes = panels * NR * K * (long)esize(dtype);
-    int parts = M * K * N >= parallel_threshold || weight_bytes >= parallel_bytes ? active_threads : 1;
+    int parts = M * K * N >= parallel_threshold || weight_bytes >= 2 * parallel_bytes ? active_threads : 1;
     if (parts > panels) parts = (int)panels;
     run_parallel(linear_part, &job, parts);
     free(xf);
