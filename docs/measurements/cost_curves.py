@@ -1,7 +1,7 @@
 """T(n) of the real target in every weight type specdec runs, at 1 and 2 threads, beside llama.cpp's
 llama-bench on the same GGUF files when its binaries are given (issue 23's table).
 
-    python docs/measurements/cost_curves.py [--llama-bench BIN_DIR] [--output FILE.json]
+    python docs/measurements/cost_curves.py [--llama-bench BIN_DIR] [--output FILE.json] [--threads 1 2]
 
 Weight types: the float32 folder (smollm2-135m), the same in bfloat16, the shipped Q4_1 file as it is
 (smollm2-135m-q4_1), and Q8_0 (the float32 folder exported by specdec's GGUF writer). Context 200,
@@ -66,13 +66,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-bench", type=Path, default=None, metavar="BIN_DIR")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="specdec-costs-"))
     folder = zoo_path("smollm2-135m")
     files = {kind.upper(): export(folder, work / f"smollm2-{kind}.gguf", kind) for kind in ("f32", "bf16", "q8_0")}
     files["Q4_1"] = Path(os.path.realpath(zoo_path("smollm2-135m-q4_1") / "model.gguf"))
     result = {"cpu": kernels.cpu_summary(), "context": CONTEXT, "specdec": {}, "llama.cpp": {}}
-    for threads in (1, 2):
+    for threads in args.threads:
         result["specdec"][threads] = specdec_curves(files, threads)
         if args.llama_bench:
             result["llama.cpp"][threads] = {name: llama_bench(args.llama_bench, path, threads)

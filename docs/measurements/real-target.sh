@@ -56,3 +56,14 @@ echo "== served: plain, DFlash at its block, DSpark cut at a confidence threshol
 specdec bench-serve --target smollm2-135m --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
   dspark@confidence --concurrency 1 4 16 --requests-per-client 1 --max-tokens 16 --max-batch-size 16 \
   --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve.json
+
+# Fourth session (AMD EPYC family 25 model 1, Zen 3: avx2 fma; 2 threads)
+# DSpark to DFlash's 400 steps: the run above, resumed from its step-259 checkpoint
+specdec train dspark --target smollm2-135m --data-dir runs/data --out runs/smollm2-dspark/out \
+  --ckpt-dir runs/smollm2-dspark/ckpt --threads 2 --resume --max-minutes 40
+cp runs/smollm2-dspark/out/* src/specdec/zoo/data/smollm2-135m/dspark/
+# after the AVX2 kernel work (quantized tiles, two-thread split by weight bytes, next-group prefetch)
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
+  --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
+  --threads 2 --output $OUT/kernels-avx2-greedy.json
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3.json
