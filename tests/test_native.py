@@ -273,3 +273,29 @@ def test_backend_describes_itself(models):
     assert backend.name == "native" and backend.description == "native/llama"
     assert (backend.num_layers, backend.dtype, backend.device.type) == (2, torch.float32, "cpu")
     assert backend.vocab_size == backend.config.vocab_size
+
+
+def test_lower_triangle_is_tril():
+    from specdec.backends.cache import lower_triangle
+
+    for n in (1, 2, 5, 17):
+        assert torch.equal(lower_triangle(n), torch.ones(n, n, dtype=torch.bool).tril())
+
+
+def test_torch_single_threaded_restores_the_thread_count():
+    from specdec.models import kernels
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernels.torch_single_threaded():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with kernels.torch_single_threaded(active=False):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            with kernels.torch_single_threaded():
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

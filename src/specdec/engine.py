@@ -30,6 +30,7 @@ from specdec.decode import (GenerationConfig, cache_capacity, check_context, com
 from specdec.backends.target import Target
 from specdec.drafters.base import DecodeContext, Drafter, FeatureSpec, Proposal, TargetFeatures, TreeConfig
 from specdec.drafters.none import NoDraft
+from specdec.models import kernels
 from specdec.errors import ContextLengthError, InvalidArgumentError, SpecdecError, UnsupportedModelError
 from specdec.processors import GenerationProcessors
 from specdec.sampling import SamplingConfig, probabilities, sample
@@ -203,6 +204,10 @@ class Engine:
     # The engine thread -------------------------------------------------------------------------
     def step(self) -> list[Update]:
         """Admit what fits, verify once every running row, let finished rows leave."""
+        with kernels.torch_single_threaded(getattr(self.target.backend, "name", None) == "native"):
+            return self._step()
+
+    def _step(self) -> list[Update]:
         updates: list[Update] = []
         with self._lock:
             cancelled = [s for s in self.states.values() if s.cancelled]

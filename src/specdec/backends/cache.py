@@ -18,6 +18,14 @@ from dataclasses import dataclass
 import torch
 
 
+def lower_triangle(n: int, device=None) -> torch.Tensor:
+    """[n, n] bool, True on and below the diagonal. Not ``torch.tril``: that one opens a parallel
+    region even for a 2 x 2 mask, and the pool's threads then spin on the cores the kernels' threads
+    need (measured: a 2-token forward pass of SmolLM2-135M 36.5 ms instead of 28.4 at 2 threads)."""
+    index = torch.arange(n, device=device)
+    return index[:, None] >= index[None, :]
+
+
 @dataclass(frozen=True)
 class Window:
     """Which earlier tokens a layer kind attends to, in live-token positions."""
@@ -106,7 +114,7 @@ class RaggedCache:
         n = positions.shape[1]
         tree = block_mask is not None
         if not tree:
-            block_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()[None]
+            block_mask = lower_triangle(n, positions.device)[None]
         start = past + n - block_mask.shape[2]  # first column the block mask covers
         seen = torch.cat([self.valid[:, None, :start].expand(-1, n, -1),
                           block_mask & self.valid[:, None, start:]], dim=2)  # [B, n, T]

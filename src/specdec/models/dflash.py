@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import DrafterMismatchError, ModelLoadError
+from specdec.backends.cache import lower_triangle
 from specdec.backends.native import NativeCache
 from specdec.models import kernels, llama
 from specdec.models.eagle import TargetRecord, describes_dspark, method_of, read_config_json
@@ -368,7 +369,7 @@ class ContextCache(NativeCache):
             live[:, :m] = valid
             self._ctx = self.runtime.context(features.flatten(0, 1)).view(batch, m, -1)
         n = m + block_size
-        sees = torch.ones(n, n, dtype=torch.bool, device=anchors.device).tril()
+        sees = lower_triangle(n, anchors.device)
         sees[m:] = True  # the block sees all of the new context and all of itself
         self._split = m
         try:
