@@ -67,3 +67,10 @@ specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 -
   --drafters eagle3 dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
   --threads 2 --output $OUT/kernels-avx2-greedy.json
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3.json
+# after torch's threads were kept off during engine steps
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
+  --drafters eagle3 dflash --no-transformers --threads 2 --output $OUT/kernels-avx2-glue-greedy.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 -k 4 \
+  --drafters dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
+  --threads 2 --output $OUT/dspark-400-greedy.json
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-glue.json
