@@ -135,6 +135,7 @@ class Engine:
         self.target, self.drafter, self.tree = target, drafter, tree
         self.speculates = not isinstance(drafter, NoDraft)
         self.exact = bool(getattr(target.backend, "exact_numerics", False))
+        self.on_kernels = getattr(target.backend, "name", None) == "native"  # specdec's kernels own the cores
         if not self.exact and self.speculates:
             warn_inexact(target)
         self.max_batch_size, self.max_kv_tokens, self.max_queue = max_batch_size, max_kv_tokens, max_queue
@@ -204,7 +205,7 @@ class Engine:
     # The engine thread -------------------------------------------------------------------------
     def step(self) -> list[Update]:
         """Admit what fits, verify once every running row, let finished rows leave."""
-        with kernels.torch_single_threaded(getattr(self.target.backend, "name", None) == "native"):
+        with kernels.torch_single_threaded(self.on_kernels):
             return self._step()
 
     def _step(self) -> list[Update]:

@@ -328,9 +328,9 @@ static void FN(const float* x, long K, const void* wp, long pstride, float* acc_
 }
 /* Each tile twice: plain, and (3 rows and more, where a group's weights are reused from L2) asking
  * for the weights `ahead` elements further on in each panel, the next group's, while it works. */
-#define TILE(R, P, NAME, LO, HI)                                                                 \
-    TILE_PF(R, P, NAME, LO, HI, 0, tile_##NAME##_##R##_##P)                                      \
-    TILE_PF(R, P, NAME, LO, HI, 1, tilepf_##NAME##_##R##_##P)
+#define TILE(R, P, NAME, LO, HI) TILE_PF(R, P, NAME, LO, HI, 0, tile_##NAME##_##R##_##P)
+#define TILE2(R, P, NAME, LO, HI)                                                                \
+    TILE(R, P, NAME, LO, HI) TILE_PF(R, P, NAME, LO, HI, 1, tilepf_##NAME##_##R##_##P)
 #if defined(__AVX2__)
 #define PREFETCH_f32(w, at) _mm_prefetch((const char*)((const float*)(w) + (at)), _MM_HINT_T1)
 #define PREFETCH_bf16(w, at) _mm_prefetch((const char*)((const uint16_t*)(w) + (at)), _MM_HINT_T1)
@@ -340,8 +340,8 @@ static void FN(const float* x, long K, const void* wp, long pstride, float* acc_
 #endif
 #define PREFETCH_f16 PREFETCH_bf16
 #define TILES(NAME, LO, HI) \
-    TILE(6, 1, NAME, LO, HI) TILE(5, 1, NAME, LO, HI) TILE(4, 1, NAME, LO, HI) TILE(3, 2, NAME, LO, HI) \
-    TILE(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
+    TILE2(6, 1, NAME, LO, HI) TILE2(5, 1, NAME, LO, HI) TILE2(4, 1, NAME, LO, HI) TILE2(3, 2, NAME, LO, HI) \
+    TILE2(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
     TILE(1, 6, NAME, LO, HI) TILE(1, 5, NAME, LO, HI) TILE(1, 4, NAME, LO, HI) TILE(1, 3, NAME, LO, HI) \
     TILE(1, 2, NAME, LO, HI) TILE(1, 1, NAME, LO, HI)                                                 \
 static tile_fn pick_##NAME(int R, int P, int pf) {                                                  \
@@ -499,6 +499,14 @@ static long parallel_bytes = 1L << 19;
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
 void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
 
+/* Parts for a product over `panels` panels: every thread when there are enough multiply-adds (in
+   float32 FMAs' worth), or enough weight bytes that even one row's pass is a stream from memory, which
+   two cores read faster than one; one otherwise. */
+static int product_parts(long fmas, long weight_bytes, long split_bytes, long panels) {
+    int parts = fmas >= parallel_threshold || weight_bytes >= split_bytes ? active_threads : 1;
+    return parts > panels ? (int)panels : parts;
+}
+
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
               const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
 #if defined(SD_WIDE)
@@ -520,12 +528,8 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
 #endif
     struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}};
     long panels = (N + NR - 1) / NR;
-    /* Split when there are enough multiply-adds, or enough weight bytes that even one row's pass is a
-       stream from memory, which two cores read faster than one. */
-    long weight_bytes = panels * NR * K * (long)esize(dtype);
-    int parts = M * K * N >= parallel_threshold || weight_bytes >= 2 * parallel_bytes ? active_threads : 1;
-    if (parts > panels) parts = (int)panels;
-    run_parallel(linear_part, &job, parts);
+    run_parallel(linear_part, &job, product_parts(M * K * N, panels * NR * K * (long)esize(dtype), 2 * parallel_bytes,
+                                                  panels));
     free(xf);
     return 0;
 }
@@ -864,12 +868,9 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     struct qlinear_job job = {wq, wtype, M, N, {a, s, A, sA, K}, {bias, residual, y, N, ldr, ldy, dtype,
                                                                  norm_eps >= 0 ? scale : NULL}};
     long panels = (N + NR - 1) / NR;
-    /* Split when there are enough multiply-adds (int8 ones are about 4x cheaper than float32 FMAs), or
-       enough weight bytes that one row's pass is a stream from memory two cores read faster than one. */
-    long weight_bytes = panels * nb * qblock_bytes(wtype);
-    int parts = M * K * N / 4 >= parallel_threshold || weight_bytes >= parallel_bytes ? active_threads : 1;
-    if (parts > panels) parts = (int)panels;
-    run_parallel(qlinear_part, &job, parts);
+    /* int8 multiply-adds are about 4x cheaper than float32 FMAs */
+    run_parallel(qlinear_part, &job, product_parts(M * K * N / 4, panels * nb * qblock_bytes(wtype), parallel_bytes,
+                                                   panels));
     free(work);
     return 0;
 }
