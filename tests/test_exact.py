@@ -227,6 +227,8 @@ def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch)
         pytest.skip("the native build of this machine is the portable code as well")
     generator = torch.Generator().manual_seed(5)
     for dtype in DTYPES:
+        if dtype == torch.bfloat16 and kernels.library().sd_bf16_dot():
+            continue  # AVX512-BF16: bfloat16 products are dot products of pairs, their own bits
         backend = backends["odd", dtype]
         rows = torch.randint(0, backend.vocab_size, (2, 21), generator=generator)
         valid = torch.ones_like(rows, dtype=torch.bool)

@@ -55,10 +55,22 @@ def assert_same(results):
             assert torch.equal(a, b), (first, name)
 
 
+def same_arithmetic(builds, dtype):
+    """The builds whose products of this dtype are the native build's operations: bfloat16 products
+    are dot products of pairs where the CPU has AVX512-BF16 (its own bits), FMA chains elsewhere."""
+    if dtype != torch.bfloat16:
+        return builds
+    native = kernels.library().sd_bf16_dot()
+    return {name: lib for name, lib in builds.items() if lib.sd_bf16_dot() == native}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_products_match_across_builds(builds, monkeypatch, dtype):
     if dtype == torch.float16 and not all(lib.sd_has_half() for lib in builds.values()):
         pytest.skip("a build without float16")
+    builds = same_arithmetic(builds, dtype)
+    if len(builds) < 2:
+        pytest.skip("no other build computes this dtype's products the same way (AVX512-BF16 pairs)")
     generator = torch.Generator().manual_seed(11)
     cases = [(k, n) for k in (37, 200) for n in (45, 163)] + [(1000, 325)]  # 1000: groups of 8 panels
     for K, N in cases:
@@ -106,3 +118,21 @@ def test_silu_mul_matches_across_builds(builds, monkeypatch, dtype):
     for rows, inner in ((1, 8), (3, 37), (16, 96)):  # vector steps of eight and a scalar tail
         gate_up = (torch.randn(rows, 2 * inner, generator=generator) * 6).to(dtype)
         assert_same(each_build(builds, monkeypatch, lambda: (kernels.silu_mul(gate_up),)))
+
+
+def test_bfloat16_pair_products_follow_their_definition():
+    """AVX512-BF16's products: column chains over input pairs (0, 1), (2, 3), ... in order, odd K's
+    last input alone. On values whose sums are exact in float32 every order agrees, so this pins the
+    pairing, the interleaving of the weights and the packing of the inputs, bit for bit."""
+    if kernels.available() is not None or not kernels.library().sd_bf16_dot():
+        pytest.skip("bfloat16 products are FMA chains on this machine (no AVX512-BF16)")
+    generator = torch.Generator().manual_seed(12)
+    for K, N in ((1, 17), (2, 16), (37, 45), (200, 163), (1000, 33)):
+        w = (torch.randint(-8, 9, (K, N), generator=generator) / 8).bfloat16()
+        matrix = kernels.Matrix.pack(w)
+        for M in (1, 2, 5, 16, 17, 33):
+            x = (torch.randint(-8, 9, (M, K), generator=generator) / 4).bfloat16()
+            exact = x.double() @ w.double()  # multiples of 1/32 below 2^15: exact in float32 too
+            assert torch.equal(kernels.linear(x, matrix), exact.bfloat16()), (K, N, M)
+            for rows in (1, M // 2 + 1):
+                assert torch.equal(kernels.linear(x[:rows], matrix), kernels.linear(x, matrix)[:rows])

@@ -233,6 +233,54 @@ static void wide_##NAME##_##R##_##P(const float* xt, long K, const void* wp, lon
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++)                                        \
         _mm512_storeu_ps(acc_out + r * 8 * NR + p * NR, acc[r][p]);                                \
 }
+#if defined(__AVX512BF16__)
+/* ---- AVX512-BF16: bfloat16 products as dot products of pairs ----------------------------------
+ * A bfloat16 model's inputs and weights are bfloat16 already, so vdpbf16ps can take them as they
+ * are: one instruction adds x[k] w[k] and x[k+1] w[k+1] (each product exact in float32) to a
+ * column's float32 chain, 32 multiply-adds where an FMA does 16. The chain is over input pairs
+ * (k, k+1) = (0, 1), (2, 3), ... in order (odd K: the last pair's second half is zero), the same for
+ * every row count and tile, so a row's bits still never depend on the block; they are not the bits
+ * of the FMA chain the other builds compute (bfloat16 on an AVX512-BF16 CPU is its own arithmetic).
+ * The weights keep their panels: two k-rows of a panel (32 values, one cache line) are interleaved
+ * in a register by one vpermw. Inputs come packed as pairs, [K/2][R] 32-bit words per row block. */
+#define SD_BF16_DOT 1
+typedef void (*pair_fn)(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out);
+static inline __m512i pair_order(void) {  /* lane c of the result: (row k col c, row k+1 col c) */
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+#define PAIR_TILE(R, P, NAME)                                                                      \
+static void pair_##R##_##P(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out) { \
+    __m512 acc[R][P];                                                                              \
+    const __m512i order = pair_order();                                                            \
+    const uint16_t* w16 = (const uint16_t*)wp;                                                     \
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();      \
+    long k = 0;                                                                                    \
+    for (; k + 2 <= K; k += 2) {                                                                   \
+        __m512bh w[P];                                                                             \
+        for (int p = 0; p < P; p++)                                                                \
+            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(w16 + p * pstride + k * NR)); \
+        for (int p = 0; p < P; p++)                                                                \
+            _mm_prefetch((const char*)(w16 + p * pstride + k * NR) + WIDE_PREFETCH, _MM_HINT_T1);  \
+        for (int r = 0; r < R; r++) {                                                              \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
+        }                                                                                          \
+    }                                                                                              \
+    if (k < K) { /* the last input alone: its pair's second half is zero in x and in w */          \
+        __m512bh w[P];                                                                             \
+        for (int p = 0; p < P; p++)                                                                \
+            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(0xffff, w16 + p * pstride + k * NR)); \
+        for (int r = 0; r < R; r++) {                                                              \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++)                                        \
+        _mm512_storeu_ps(acc_out + r * 8 * NR + p * NR, acc[r][p]);                                \
+}
+#define PAIR_ENTRY(R, P, NAME) [R][P] = pair_##R##_##P,
+#endif
 /* Panels per tile for a block of R rows: R x P chains and P weights within the 32 registers, at
  * least 8 chains in flight (15 or 16 rows: one panel, one weight load per 15 or 16 FMAs). Tried
  * on a Zen 4 core (one 512-bit FMA a cycle) with SmolLM2-135M's matrices: fewer panels per tile
@@ -256,6 +304,10 @@ static const int wide_panels[WIDE_ROWS + 1] = {0, 8, 8, 6, 6, 5, 4, 3, 3, 3, 2, 
 WIDE_TABLE(f32)
 WIDE_TABLE(bf16)
 WIDE_TABLE(f16)
+#if defined(SD_BF16_DOT)
+WIDE_SHAPES(PAIR_TILE, pair)
+static const pair_fn pair_tiles[WIDE_ROWS + 1][9] = {WIDE_SHAPES(PAIR_ENTRY, pair)};
+#endif
 
 /* Rows in blocks of at most WIDE_ROWS, as even as can be: block b of `blocks` starts at row_start. */
 static inline long wide_blocks(long M) { return (M + WIDE_ROWS - 1) / WIDE_ROWS; }
@@ -272,11 +324,40 @@ static void pack_rows(const float* xf, long M, long K, float* xt) {
     }
 }
 
+#if defined(SD_BF16_DOT)
+/* x [M, K] (bfloat16 values held as float32) -> pairs, block by block, each block [ceil(K/2)][R]:
+ * the word of (k, k + 1) holds x[k]'s bits low, x[k + 1]'s high (0 past the end). */
+static void pack_pairs(const float* xf, long M, long K, uint32_t* xt) {
+    long blocks = wide_blocks(M), K2 = (K + 1) / 2;
+    for (long b = 0; b < blocks; b++) {
+        long m0 = row_start(M, blocks, b), R = row_start(M, blocks, b + 1) - m0;
+        uint32_t* block = xt + m0 * K2;
+        for (long r = 0; r < R; r++) {
+            const float* row = xf + (m0 + r) * K;
+            for (long k = 0; k < K2; k++) {
+                uint32_t lo = to_bf16(row[2 * k]), hi = 2 * k + 1 < K ? to_bf16(row[2 * k + 1]) : 0;
+                block[k * R + r] = lo | hi << 16;
+            }
+        }
+    }
+}
+#endif
+static int bf16_dot(int dtype) {
+#if defined(SD_BF16_DOT)
+    return dtype == BF16;
+#else
+    (void)dtype;
+    return 0;
+#endif
+}
+
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
                           long p0, long p1) {
     float acc[WIDE_ROWS * 8 * NR];
     long pstride = K * NR, blocks = wide_blocks(M);
     size_t wsize = esize(o->dtype);
+    int pairs = bf16_dot(o->dtype);
+    long xrow = pairs ? (K + 1) / 2 : K;  /* 32-bit words per input row in xt */
     const wide_fn(*tiles)[9] = o->dtype == BF16 ? wide_tiles_bf16 : o->dtype == F16 ? wide_tiles_f16 : wide_tiles_f32;
     /* Panels outer, row blocks inner: a group of panels (about 256 KiB) stays in L2 while every
        block uses it; a single block takes the whole range at once. */
@@ -290,7 +371,12 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
             for (long q = p; q < end;) {
                 int P = wide_panels[R];
                 if (P > end - q) P = (int)(end - q);
-                tiles[R][P](xt + m0 * K, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+#if defined(SD_BF16_DOT)
+                if (pairs)
+                    pair_tiles[R][P]((const uint32_t*)xt + m0 * xrow, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                else
+#endif
+                    tiles[R][P](xt + m0 * xrow, K, (const char*)wp + q * pstride * wsize, pstride, acc);
                 finish_tile(o, acc, 8 * NR, m0, R, q * NR, P * NR);
                 q += P;
             }
@@ -394,6 +480,14 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
 #endif
 
 const char* sd_vector(void) { return SD_VECTOR_PRODUCTS; }
+/* 1 where bfloat16 products are dot products of pairs (AVX512-BF16), 0 where they are FMA chains. */
+int sd_bf16_dot(void) {
+#if defined(SD_BF16_DOT)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* ---- a small thread pool: workers take column ranges, so each output keeps its one chain ---- */
 #include <pthread.h>
@@ -524,7 +618,11 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
     }
 #if defined(SD_WIDE)
     xs = xf + M * K;
-    pack_rows(xf, M, K, xs);
+#if defined(SD_BF16_DOT)
+    if (bf16_dot(dtype)) pack_pairs(xf, M, K, (uint32_t*)xs);
+    else
+#endif
+        pack_rows(xf, M, K, xs);
 #endif
     struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}};
     long panels = (N + NR - 1) / NR;
@@ -1007,17 +1105,78 @@ void sd_rope(void* x, long rows, long heads, long D, long ld_row, const float* t
     }
 }
 
+/* ---- e^x: one fixed sequence of float operations, the same in every build ---------------------
+ * x = n ln2 + r (n = x log2(e) rounded to nearest even, r by two FMAs), e^r by a degree-7 Taylor
+ * polynomial in Horner form (FMAs), times 2^n built from its bits. Relative error about 1e-7; below
+ * -87 it is 0, above 88 infinity, NaN stays NaN. The eight-lane version performs the same IEEE
+ * operations lane by lane, so a value's bits never depend on which path or build computed it. */
+#define EXP_LOW -87.0f
+#define EXP_HIGH 88.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.42860682030941723212e-6f
+static const float exp_taylor[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+static inline float sd_expf(float x) {
+    if (x != x) return x;
+    if (x < EXP_LOW) return 0.f;
+    if (x > EXP_HIGH) return INFINITY;
+    float n = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_HI, x);
+    r = fmaf(n, -EXP_LN2_LO, r);
+    float p = exp_taylor[0];
+    for (int i = 1; i < 8; i++) p = fmaf(p, r, exp_taylor[i]);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+static inline v8 v_exp(v8 x) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 low = _mm256_set1_ps(EXP_LOW), high = _mm256_set1_ps(EXP_HIGH);
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, low), high);  /* in range: x itself */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(exp_taylor[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_taylor[i]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, low, _CMP_LT_OQ));
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, high, _CMP_GT_OQ));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+#else
+    v8 y;
+    for (int i = 0; i < 8; i++) y.l[i] = sd_expf(x.l[i]);
+    return y;
+#endif
+}
+
+/* s[t] = e^(s[t] - max) over the columns seen (seen[t] nonzero, or all when seen is NULL), 0 elsewhere. */
+static void exp_row(float* s, const uint8_t* seen, long T) {
+    float m = -INFINITY;
+    for (long t = 0; t < T; t++) if ((!seen || seen[t]) && s[t] > m) m = s[t];
+    long t = 0;
+    for (; t + 8 <= T; t += 8) {
+        v8 p = v_exp(v_add(v_load(s + t), v_set1(-m)));
+        if (seen) {
+            float f[8];
+            v_store(f, p);
+            for (int i = 0; i < 8; i++) if (!seen[t + i]) f[i] = 0.f;
+            p = v_load(f);
+        }
+        v_store(s + t, p);
+    }
+    for (; t < T; t++) s[t] = (!seen || seen[t]) ? sd_expf(s[t] + -m) : 0.f;
+}
+
 /* ---- silu(gate) * up: gate_up [M, 2I] (gate first) -> out [M, I] ---------------------------- */
 void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
     for (long m = 0; m < M; m++) {
         long i = 0;
-        /* Eight at a time, the same operations as the scalar tail (expf stays libm's, one by one). */
+        /* Eight at a time, the same operations as the scalar tail. */
         for (; i + 8 <= I; i += 8) {
             v8 g = load8(gate_up, m * ld_in + i, dtype), u = load8(gate_up, m * ld_in + I + i, dtype);
-            float lane[8], e[8];
-            v_store(lane, g);
-            for (int c = 0; c < 8; c++) e[c] = expf(-lane[c]);
-            v8 silu = v_div(g, v_add(v_set1(1.0f), v_load(e)));
+            v8 silu = v_div(g, v_add(v_set1(1.0f), v_exp(v_mul(g, v_set1(-1.0f)))));
             if (dtype != F32) { /* as the model would store it */
                 float narrow[8]; /* room for eight of any dtype */
                 store8(narrow, 0, silu, dtype);
@@ -1027,7 +1186,7 @@ void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, lon
         }
         for (; i < I; i++) {
             float g = load1(gate_up, m * ld_in + i, dtype), u = load1(gate_up, m * ld_in + I + i, dtype);
-            float silu = stored(g / (1.0f + expf(-g)), dtype); /* as the model would store it */
+            float silu = stored(g / (1.0f + sd_expf(g * -1.0f)), dtype); /* as the model would store it */
             store1(out, m * ld_out + i, silu * u, dtype);
         }
     }
@@ -1043,6 +1202,7 @@ struct attention_job {
     const void *q, *keys, *values; const uint8_t* visible; void* out;
     long ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out; float scale; int dtype;
     atomic_int failed;  /* a part could not allocate its work memory */
+    long slices;        /* each key head's query rows in this many slices (work items) */
 };
 
 /* A query row dotted with a key: lane l = d % 8 is the FMA chain over d = l, l + 8, ... in order
@@ -1137,8 +1297,10 @@ VALUE_TABLE(bf16)
 VALUE_TABLE(f16)
 #endif
 
-static void attention_one(const struct attention_job* j, long b, long kvh, float* work) {
-    long g = j->heads / j->kv, rows = j->n * g, D = j->D, T = j->T;
+/* Rows [r0, r1) of one key head's n x g query rows (row i * g + jj: position i, group member jj).
+ * A row's result depends on nothing but its own query, so the rows may be split between threads. */
+static void attention_one(const struct attention_job* j, long b, long kvh, long r0, long r1, float* work) {
+    long g = j->heads / j->kv, rows = r1 - r0, D = j->D, T = j->T;
     int dtype = j->dtype;
     float* qf = work;                  /* [rows, D] */
     float* score = qf + rows * D;      /* [rows, T] */
@@ -1147,11 +1309,10 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     float* total = vrow + D;           /* [rows] */
     float* kwide = total + rows;       /* [T, D]: the keys in float32 when they are stored narrower */
     size_t es = esize(dtype);
-    for (long i = 0; i < j->n; i++)
-        for (long jj = 0; jj < g; jj++) {
-            long h = jj * j->kv + kvh;
-            widen((const char*)j->q + ((b * j->n + i) * j->ld_q + h * D) * es, D, dtype, qf + (i * g + jj) * D);
-        }
+    for (long r = 0; r < rows; r++) {
+        long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh;
+        widen((const char*)j->q + ((b * j->n + i) * j->ld_q + h * D) * es, D, dtype, qf + r * D);
+    }
     const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
@@ -1173,19 +1334,16 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
     for (long t = t8; t < T; t++) {
         const float* key = keys + t * D;
         for (long r = 0; r < rows; r++)
-            if (!vis || vis[(r / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, F32) * j->scale;
+            if (!vis || vis[((r0 + r) / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, F32) * j->scale;
     }
-    for (long r = 0; r < rows; r++) {
-        const uint8_t* seen = vis ? vis + (r / g) * T : NULL;
-        float* s = score + r * T;
-        float m = -INFINITY, sum = 0.f;
-        for (long t = 0; t < T; t++) if ((!seen || seen[t]) && s[t] > m) m = s[t];
-        for (long t = 0; t < T; t++) {
-            float p = (!seen || seen[t]) ? expf(s[t] - m) : 0.f;
-            s[t] = p;
-            sum = sum + p;
-        }
-        total[r] = sum;
+    for (long r = 0; r < rows; r++) exp_row(score + r * T, vis ? vis + ((r0 + r) / g) * T : NULL, T);
+    /* Each row's total in column order; eight rows' chains side by side. */
+    for (long r = 0; r < rows; r += 8) {
+        int R = rows - r < 8 ? (int)(rows - r) : 8;
+        float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (long t = 0; t < T; t++)
+            for (int i = 0; i < R; i++) sum[i] = sum[i] + score[(r + i) * T + t];
+        for (int i = 0; i < R; i++) total[r + i] = sum[i];
     }
     /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t = 0..T-1 in order. A column the row
      * does not see has p = 0, and fma(0, v, acc) == acc, so every column can run through. */
@@ -1242,13 +1400,12 @@ static void attention_one(const struct attention_job* j, long b, long kvh, float
             for (; d < D; d++) a[d] = fmaf(p, v[d], a[d]);
         }
     }
-    for (long i = 0; i < j->n; i++)
-        for (long jj = 0; jj < g; jj++) {
-            long r = i * g + jj, h = jj * j->kv + kvh;
-            float sum = total[r];
-            for (long d = 0; d < D; d++)
-                store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, dtype);
-        }
+    for (long r = 0; r < rows; r++) {
+        long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh;
+        float sum = total[r];
+        for (long d = 0; d < D; d++)
+            store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, dtype);
+    }
 }
 
 static size_t attention_work(const struct attention_job* j) {
@@ -1256,13 +1413,24 @@ static size_t attention_work(const struct attention_job* j) {
     return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + j->T * j->D + 8);
 }
 
+/* Work items: (batch row, key head, slice of its query rows); a part takes a contiguous range of them. */
+static long attention_slices(const struct attention_job* j, int parts) {
+    long pairs = j->B * j->kv, rows = j->n * (j->heads / j->kv);
+    long slices = (2L * parts + pairs - 1) / pairs;  /* about two items per thread at least */
+    return parts <= 1 ? 1 : slices < rows ? slices : rows;
+}
+
 static void attention_part(void* arg, int part, int parts) {
     struct attention_job* j = arg;
-    long pairs = j->B * j->kv, p0 = pairs * part / parts, p1 = pairs * (part + 1) / parts;
+    long rows = j->n * (j->heads / j->kv), slices = j->slices;
+    long items = j->B * j->kv * slices, p0 = items * part / parts, p1 = items * (part + 1) / parts;
     if (p0 >= p1) return;
     float* work = malloc(attention_work(j));
     if (!work) { atomic_store(&j->failed, 1); return; }
-    for (long p = p0; p < p1; p++) attention_one(j, p / j->kv, p % j->kv, work);
+    for (long p = p0; p < p1; p++) {
+        long pair = p / slices, slice = p % slices;
+        attention_one(j, pair / j->kv, pair % j->kv, rows * slice / slices, rows * (slice + 1) / slices, work);
+    }
     free(work);
 }
 
@@ -1271,9 +1439,11 @@ int sd_attention(const void* q, long ld_q, const void* keys, const void* values,
                  void* out, long ld_out, int dtype) {
     struct attention_job job = {q, keys, values, visible, out, ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out,
                                 scale, dtype, 0};
-    long pairs = B * kv;
-    int parts = n * heads * T * D * 2 >= parallel_threshold / 2 ? active_threads : 1;
-    if (parts > pairs) parts = (int)pairs;
+    /* Parallel from a few hundred thousand multiply-adds: a block of 2 tokens over 200 columns. */
+    int parts = n * heads * T * D * 2 >= parallel_threshold / 32 ? active_threads : 1;
+    job.slices = attention_slices(&job, parts);
+    long items = B * kv * job.slices;
+    if (parts > items) parts = (int)items;
     run_parallel(attention_part, &job, parts);
     return atomic_load(&job.failed);
 }
