@@ -1170,8 +1170,19 @@ static void exp_row(float* s, const uint8_t* seen, long T) {
 }
 
 /* ---- silu(gate) * up: gate_up [M, 2I] (gate first) -> out [M, I] ---------------------------- */
+struct silu_job { const void* gate_up; long M, I, ld_in; void* out; long ld_out; int dtype; };
+static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in, void* out, long ld_out, int dtype);
+static void silu_part(void* arg, int part, int parts) {
+    struct silu_job* j = arg;
+    silu_rows(j->gate_up, j->M * part / parts, j->M * (part + 1) / parts, j->I, j->ld_in, j->out, j->ld_out, j->dtype);
+}
+/* Rows split between the threads from a few rows on (each element is its own computation). */
 void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
-    for (long m = 0; m < M; m++) {
+    struct silu_job job = {gate_up, M, I, ld_in, out, ld_out, dtype};
+    run_parallel(silu_part, &job, M * I >= parallel_threshold / 512 ? (int)(M < active_threads ? M : active_threads) : 1);
+}
+static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in, void* out, long ld_out, int dtype) {
+    for (long m = m0; m < m1; m++) {
         long i = 0;
         /* Eight at a time, the same operations as the scalar tail. */
         for (; i + 8 <= I; i += 8) {
