@@ -58,14 +58,17 @@ def weight_work(model) -> dict:
 def machine_limit(backend, sizes, context: int) -> dict:
     """The least a forward pass of n tokens can take here: the weights read once at the measured
     bandwidth, or n tokens' multiply-adds at the vector units' measured peak (float32 FMAs for float
-    matrices, int8 dot products for quantized ones), whichever is longer; attention's work over
+    matrices, bfloat16 pair dot products for bfloat16 ones where the CPU has them, int8 dot products
+    for quantized ones), whichever is longer; attention's work over
     ``context`` columns is added to the latter."""
     from specdec.models import kernels
 
     model = backend.model
     work = weight_work(model)
     bandwidth = read_bandwidth()
-    peak_float = kernels.peak_macs(False)
+    float_bf16 = any(not isinstance(m, kernels.QMatrix) and m.packed.dtype == torch.bfloat16
+                     for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    peak_float = kernels.peak_macs(False, bfloat16=float_bf16)  # AVX512-BF16 pair dot products where used
     peak_int8 = kernels.peak_macs(True) if work["int8_macs"] else 0.0
     attention = 2 * len(model.layers) * model.heads * model.head_dim * context
     per_token = (work["float_macs"] + attention) / peak_float + (work["int8_macs"] / peak_int8 if peak_int8 else 0.0)

@@ -13,11 +13,14 @@
  *   sum of values run over cache columns in order, and a column the query does not see adds an
  *   exact zero (the maximum skips it), so holes, padding and compaction change nothing.
  * - bfloat16 tensors are widened to float32 (exactly) on load and rounded to nearest even once,
- *   when a result is stored.
+ *   when a result is stored. Where the compiler targets AVX512-BF16, bfloat16 products are one
+ *   chain of pair dot products instead (see the AVX512-BF16 section): still one fixed sequence per
+ *   output, but that build's own bits.
  *
  * The vector code (AVX-512 where the compiler targets it, else AVX2 + FMA) and the portable
  * fallback perform the same operations, element by element, so the results do not depend on
- * which one was compiled: a wider register only holds more chains side by side.
+ * which one was compiled (bfloat16 products with AVX512-BF16 apart): a wider register only holds
+ * more chains side by side.
  */
 
 #include <math.h>
@@ -975,15 +978,28 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
 
 /* ---- the vector units' peak: independent multiply-add chains, no memory ------------------------
  * `integer` 0: float32 FMAs of the width the products use; 1: the int8 dot products of the quantized
- * products (VNNI, or AVX2's pair sums). Runs `iters` rounds of 12 chains on every active thread and
+ * products (VNNI, or AVX2's pair sums); 2: the bfloat16 pair dot products where the bfloat16 products
+ * use them (AVX512-BF16), else as 0. Runs `iters` rounds of 12 chains on every active thread and
  * returns a checksum (so the work is not optimised away); *macs receives the multiply-adds done. */
 struct peak_job { int integer; long iters; double sums[MAX_THREADS]; };
 static void peak_part(void* arg, int part, int parts) {
     struct peak_job* j = arg;
     double sum = 0;
     (void)parts;
+#if defined(SD_BF16_DOT)
+    if (j->integer == 2) {
+        __m512 acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps(1e-3f * (float)(i + part));
+        __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f), b = (__m512bh)_mm512_set1_epi32(0x38d138d1);
+        for (long t = 0; t < j->iters; t++)
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        for (int i = 0; i < 12; i++) sum += _mm512_reduce_add_ps(acc[i]);
+        j->sums[part] = sum;
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
-    if (!j->integer) {
+    if (j->integer != 1) {
         __m512 acc[12];
         for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps(1e-3f * (float)(i + part));
         __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
@@ -994,7 +1010,7 @@ static void peak_part(void* arg, int part, int parts) {
         return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (!j->integer) {
+    if (j->integer != 1) {
         __m256 acc[12];
         for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_ps(1e-3f * (float)(i + part));
         __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
@@ -1007,7 +1023,7 @@ static void peak_part(void* arg, int part, int parts) {
     }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (j->integer) {
+    if (j->integer == 1) {
         __m512i acc[12];
         for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i + part);
         __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
@@ -1018,7 +1034,7 @@ static void peak_part(void* arg, int part, int parts) {
         return;
     }
 #elif defined(__AVX2__)
-    if (j->integer) {
+    if (j->integer == 1) {
         __m256i acc[12];
         for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i + part);
         __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
@@ -1039,6 +1055,10 @@ static void peak_part(void* arg, int part, int parts) {
     j->sums[part] = sum;
 }
 static long peak_lanes(int integer) {
+#if defined(SD_BF16_DOT)
+    if (integer == 2) return 32;
+#endif
+    if (integer == 2) integer = 0;
 #if defined(__AVX512F__)
     if (!integer) return 16;
 #elif defined(__AVX2__) && defined(__FMA__)

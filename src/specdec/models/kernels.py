@@ -225,16 +225,17 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPES
 
 
-def peak_macs(integer: bool, seconds: float = 0.2) -> float:
+def peak_macs(integer: bool, seconds: float = 0.2, bfloat16: bool = False) -> float:
     """Multiply-adds per second the vector units sustain on the kernels' threads: independent chains of
-    float32 FMAs (integer=False) or of the int8 dot products the quantized products use (True)."""
+    float32 FMAs (integer=False), of the int8 dot products the quantized products use (True), or
+    (bfloat16=True) of what bfloat16 products run on: AVX512-BF16 pair dot products, else FMAs."""
     import time
 
     lib, macs = library(), ctypes.c_double()
     iters = 1 << 16
     while True:
         start = time.perf_counter()
-        lib.sd_peak(int(integer), iters, ctypes.byref(macs))
+        lib.sd_peak(2 if bfloat16 and not integer else int(integer), iters, ctypes.byref(macs))
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return macs.value / elapsed
