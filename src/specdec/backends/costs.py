@@ -44,14 +44,16 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
 
 
 def weight_work(model) -> dict:
-    """A native model's matrices: bytes stored, and multiply-adds per token in float and in int8."""
+    """A native model's matrices: bytes stored, multiply-adds per token in float and in int8, and
+    whether float ones are bfloat16."""
     from specdec.models.kernels import QMatrix
 
     matrices = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
-    work = {"bytes": 0, "float_macs": 0, "int8_macs": 0}
+    work = {"bytes": 0, "float_macs": 0, "int8_macs": 0, "bfloat16": False}
     for m in matrices:
         work["bytes"] += m.packed.numel() * m.packed.element_size()
         work["int8_macs" if isinstance(m, QMatrix) else "float_macs"] += m.rows * m.cols
+        work["bfloat16"] |= not isinstance(m, QMatrix) and m.packed.dtype == torch.bfloat16
     return work
 
 
@@ -66,9 +68,7 @@ def machine_limit(backend, sizes, context: int) -> dict:
     model = backend.model
     work = weight_work(model)
     bandwidth = read_bandwidth()
-    float_bf16 = any(not isinstance(m, kernels.QMatrix) and m.packed.dtype == torch.bfloat16
-                     for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    peak_float = kernels.peak_macs(False, bfloat16=float_bf16)  # AVX512-BF16 pair dot products where used
+    peak_float = kernels.peak_macs(False, bfloat16=work["bfloat16"])  # AVX512-BF16 pair dot products where used
     peak_int8 = kernels.peak_macs(True) if work["int8_macs"] else 0.0
     attention = 2 * len(model.layers) * model.heads * model.head_dim * context
     per_token = (work["float_macs"] + attention) / peak_float + (work["int8_macs"] / peak_int8 if peak_int8 else 0.0)

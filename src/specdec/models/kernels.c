@@ -258,22 +258,13 @@ static void pair_##R##_##P(const uint32_t* xt, long K, const void* wp, long pstr
     const __m512i order = pair_order();                                                            \
     const uint16_t* w16 = (const uint16_t*)wp;                                                     \
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();      \
-    long k = 0;                                                                                    \
-    for (; k + 2 <= K; k += 2) {                                                                   \
+    for (long k = 0; k < K; k += 2) {                                                              \
+        __mmask32 rows = k + 2 <= K ? 0xffffffffu : 0xffffu; /* odd K: the last input alone, w's pair half 0 */ \
         __m512bh w[P];                                                                             \
         for (int p = 0; p < P; p++)                                                                \
-            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(w16 + p * pstride + k * NR)); \
+            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(rows, w16 + p * pstride + k * NR)); \
         for (int p = 0; p < P; p++)                                                                \
             _mm_prefetch((const char*)(w16 + p * pstride + k * NR) + WIDE_PREFETCH, _MM_HINT_T1);  \
-        for (int r = 0; r < R; r++) {                                                              \
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
-            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
-        }                                                                                          \
-    }                                                                                              \
-    if (k < K) { /* the last input alone: its pair's second half is zero in x and in w */          \
-        __m512bh w[P];                                                                             \
-        for (int p = 0; p < P; p++)                                                                \
-            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(0xffff, w16 + p * pstride + k * NR)); \
         for (int r = 0; r < R; r++) {                                                              \
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
             for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
@@ -1190,17 +1181,6 @@ static void exp_row(float* s, const uint8_t* seen, long T) {
 }
 
 /* ---- silu(gate) * up: gate_up [M, 2I] (gate first) -> out [M, I] ---------------------------- */
-struct silu_job { const void* gate_up; long M, I, ld_in; void* out; long ld_out; int dtype; };
-static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in, void* out, long ld_out, int dtype);
-static void silu_part(void* arg, int part, int parts) {
-    struct silu_job* j = arg;
-    silu_rows(j->gate_up, j->M * part / parts, j->M * (part + 1) / parts, j->I, j->ld_in, j->out, j->ld_out, j->dtype);
-}
-/* Rows split between the threads from a few rows on (each element is its own computation). */
-void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
-    struct silu_job job = {gate_up, M, I, ld_in, out, ld_out, dtype};
-    run_parallel(silu_part, &job, M * I >= parallel_threshold / 512 ? (int)(M < active_threads ? M : active_threads) : 1);
-}
 static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in, void* out, long ld_out, int dtype) {
     for (long m = m0; m < m1; m++) {
         long i = 0;
@@ -1221,6 +1201,17 @@ static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in,
             store1(out, m * ld_out + i, silu * u, dtype);
         }
     }
+}
+
+struct silu_job { const void* gate_up; long M, I, ld_in; void* out; long ld_out; int dtype; };
+static void silu_part(void* arg, int part, int parts) {
+    struct silu_job* j = arg;
+    silu_rows(j->gate_up, j->M * part / parts, j->M * (part + 1) / parts, j->I, j->ld_in, j->out, j->ld_out, j->dtype);
+}
+/* Rows split between the threads from a few rows on (each element is its own computation). */
+void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
+    struct silu_job job = {gate_up, M, I, ld_in, out, ld_out, dtype};
+    run_parallel(silu_part, &job, M * I >= parallel_threshold / 512 ? (int)(M < active_threads ? M : active_threads) : 1);
 }
 
 /* ---- attention over the cache --------------------------------------------------------------
