@@ -32,7 +32,8 @@ TREE = TreeConfig(depth=3, topk=2, num_nodes=6)
 
 
 def random_drafters(target, root, seed=0):
-    """A random EAGLE-1, EAGLE-3 (reduced draft vocabulary) and Medusa folder for ``target``."""
+    """A random EAGLE-1, EAGLE-3 (reduced draft vocabulary) and Medusa folder for ``target``, and a Medusa
+    whose heads end in the target's own LM head."""
     torch.manual_seed(seed)
     dirs = {}
     for version in (1, 3):
@@ -49,6 +50,12 @@ def random_drafters(target, root, seed=0):
         for module in heads.heads:
             module[0].linear.weight.normal_(0, 0.3)
     dirs["medusa"] = medusa.save(heads, root / "medusa")
+    shared = medusa.MedusaHeads(medusa.MedusaConfig(2, 1, int(target.config.hidden_size), target.vocab_size,
+                                                    ((0,), (1,), (0, 0), (2,)), record, original_lm_head=True))
+    with torch.no_grad():
+        for module in shared.heads:
+            module[0].linear.weight.normal_(0, 0.3)
+    dirs["medusa-shared"] = medusa.save(shared, root / "medusa-shared")
     return dirs
 
 
@@ -63,7 +70,7 @@ def drafter_dirs(model_dirs, tmp_path_factory):
 
 
 def all_drafters(dirs):
-    return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Medusa(dirs["medusa"])]
+    return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Medusa(dirs["medusa"]), Medusa(dirs["medusa-shared"])]
 
 
 def settings_for(drafter, supports_trees=True):
@@ -108,7 +115,7 @@ def test_trained_zoo_drafters_equal_plain_decoding():
         target = specdec.load_target(zoo_path("target"), dtype=dtype, backend="native")
         prompts = target.encode(load_tasks("code-completion")[:4])
         reference = plain(target, prompts, 48)
-        for drafter in all_drafters(dirs):
+        for drafter in (Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Medusa(dirs["medusa"])):
             for setting in settings_for(drafter)[1:] or [{}]:
                 out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=48, **setting)
                 assert out.token_ids == reference, f"{drafter.name} {setting} {dtype}"
@@ -120,12 +127,13 @@ def test_trained_zoo_drafters_equal_plain_decoding():
     ("eagle", 1.2, 5, 0.95),
     ("eagle3-tree", 1.0, 6, None),
     ("medusa", 1.0, 6, None),
+    ("medusa-shared", 1.0, 6, None),
 ])
 def test_sampling_keeps_the_targets_distribution(kind, temperature, top_k, top_p, model_dirs, drafter_dirs):
     config = SamplingConfig(temperature, top_k, top_p)
     target, prompt, exact = sampling_case(model_dirs["llama"], config)
     name = kind.removesuffix("-tree")
-    drafter = Medusa(drafter_dirs["llama"]["medusa"]) if name == "medusa" else Eagle(drafter_dirs["llama"][name])
+    drafter = Medusa(drafter_dirs["llama"][name]) if name.startswith("medusa") else Eagle(drafter_dirs["llama"][name])
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if kind.endswith("-tree") else None
     assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
 
@@ -209,6 +217,11 @@ def test_layouts_serving_engines_load(drafter_dirs):
     mweights = load_file(dirs["medusa"] / "medusa_lm_head.safetensors")
     assert set(mweights) == {f"{i}.{n}" for i in range(3) for n in ("0.linear.weight", "0.linear.bias", "1.weight")}
     assert tuple(mweights["0.1.weight"].shape) == (mconfig["vocab_size"], mconfig["hidden_size"])
+    assert mconfig["original_lm_head"] is False
+    shared = json.loads((dirs["medusa-shared"] / "config.json").read_text())
+    assert shared["original_lm_head"] is True and shared["medusa_num_heads"] == 2
+    names = set(load_file(dirs["medusa-shared"] / "medusa_lm_head.safetensors"))
+    assert names == {f"{i}.0.linear.{n}" for i in range(2) for n in ("weight", "bias")}  # the head is the target's
     for name in ("eagle", "eagle3", "medusa"):
         record = json.loads((dirs[name] / "config.json").read_text())["specdec"]["target"]
         assert record["num_hidden_layers"] == 2 and len(record["fingerprint"]) == 16

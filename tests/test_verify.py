@@ -1,5 +1,6 @@
 """Acceptance rules on hand-made tensors: no model involved."""
 
+import pytest
 import torch
 
 from specdec.verify import verify_greedy, verify_sampling
@@ -70,7 +71,8 @@ def test_sampling_is_reproducible_for_a_seed():
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
 
 
-def test_the_greedy_kernel_computes_what_pytorch_computes():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_kernel_computes_what_pytorch_computes(dtype):
     """One C call (argmax at the positions a row reaches, the accepted prefix) against the PyTorch rule,
     with ties (the first maximum wins), NaN, -inf, rows of every length and drafts that match."""
     from specdec.models import kernels
@@ -79,7 +81,7 @@ def test_the_greedy_kernel_computes_what_pytorch_computes():
     generator = torch.Generator().manual_seed(0)
     for trial in range(200):
         batch, k, vocab = 1 + trial % 5, trial % 6, 7 + trial % 50
-        logits = torch.randint(0, 4, (batch, k + 1, vocab), generator=generator).float()  # many ties
+        logits = torch.randint(0, 4, (batch, k + 1, vocab), generator=generator).to(dtype)  # many ties
         if trial % 7 == 0:
             logits[0, 0, 3] = float("nan")
         if trial % 5 == 0:
@@ -96,3 +98,27 @@ def test_the_greedy_kernel_computes_what_pytorch_computes():
         finally:
             kernels.greedy_accept = original
         assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]), trial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_argmax_kernel_gives_torchs_index(dtype):
+    """kernels.argmax (vector passes for the largest value and its first position) against torch.argmax:
+    ties, signed zeros, NaN, -inf, every tail length, and rows that are strided views."""
+    from specdec.models import kernels
+
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        n = 1 + trial % 40 if trial % 3 else 49152 - trial % 9
+        x = torch.randn(4, n, generator=generator)
+        if trial % 4 == 0:
+            x = (x * 2).round()  # ties
+        if trial % 6 == 1:
+            x[torch.rand(4, n, generator=generator) < 0.05] = float("nan")
+        if trial % 10 == 2:
+            x[:] = float("-inf")
+        if trial % 8 == 3:
+            x = torch.where(torch.rand(4, n, generator=generator) < 0.5, -0.0, 0.0)
+        x = x.to(dtype)
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), trial
+        view = torch.stack([x, x.flip(0)], 1)[:, 1]  # rows spaced two apart
+        assert torch.equal(kernels.argmax(view), view.argmax(-1)), trial

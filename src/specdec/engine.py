@@ -339,7 +339,7 @@ class Group:
         logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=engine.layers)
         if processors is not None:
             logits = processors.apply(seqs, prompt_lengths, logits, budgets=budget)
-        first = logits[:, -1].argmax(-1) if self.sampling.greedy else sample(
+        first = kernels.argmax(logits[:, -1]) if self.sampling.greedy else sample(
             probabilities(logits[:, -1], self.sampling), self.generator)
         stats.target_forwards += 1
         stats.prefill_time += time.perf_counter() - tick

@@ -20,7 +20,7 @@ import torch
 
 from specdec.batch import Sequences, cat_rows
 from specdec.errors import InvalidArgumentError
-from specdec.models import dflash, llama
+from specdec.models import dflash, kernels, llama
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.drafters.eagle import check_target, require_kernels
@@ -103,7 +103,7 @@ class DFlashSession:
         logits = self.runtime.logits(out[:, 1:])  # slot 0 is the anchor: it predicts nothing
         lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
         if self.sampling.greedy:
-            return Proposal(logits.argmax(-1), lengths)
+            return Proposal(kernels.argmax(logits), lengths)
         probs = probabilities(logits.float(), self.sampling)  # [B, drafts, V]
         return Proposal(sample(probs, self.generator), lengths, probs)
 

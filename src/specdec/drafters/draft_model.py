@@ -14,6 +14,7 @@ import torch
 from specdec.backends import hf
 from specdec.batch import Sequences
 from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
+from specdec.models import kernels
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import DecodeContext, Proposal
 from specdec.drafters.tree import dynamic_tree
@@ -98,7 +99,7 @@ class DraftModelSession:
         """Draft token and (when sampling) its distribution from logits [B, V]."""
         logits = self._fit_vocab(logits.float())
         if self.sampling.greedy:
-            return logits.argmax(-1), None
+            return kernels.argmax(logits), None
         probs = probabilities(logits, self.sampling)
         return sample(probs, self.generator), probs
 

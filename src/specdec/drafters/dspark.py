@@ -16,7 +16,7 @@ import torch
 from specdec.batch import Sequences
 from specdec.drafters.base import Proposal
 from specdec.drafters.dflash import DFlash, DFlashSession
-from specdec.models import dspark
+from specdec.models import dspark, kernels
 from specdec.sampling import probabilities, sample
 
 
@@ -47,7 +47,7 @@ class DSparkSession(DFlashSession):
         for j in range(drafts):
             logits, confidence = runtime.slot(head[:, j], hidden[:, j], previous, j)
             if self.sampling.greedy:
-                previous = logits.argmax(-1)
+                previous = kernels.argmax(logits)
             else:
                 probs = probabilities(logits, self.sampling)
                 previous = sample(probs[:, None], self.generator)[:, 0]

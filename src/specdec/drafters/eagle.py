@@ -109,7 +109,7 @@ class EagleSession:
     def _next(self, out: torch.Tensor):
         if self.sampling.greedy:
             logits = self.runtime.logits(out)
-            slot = logits.argmax(-1)
+            slot = kernels.argmax(logits)
             ids = self.runtime.draft_ids
             return (slot if ids is None else ids[slot]), None
         probs = probabilities(self._logits(out), self.sampling)

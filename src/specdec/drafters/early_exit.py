@@ -25,6 +25,7 @@ import torch
 from specdec.batch import Sequences
 from specdec.drafters.base import DecodeContext, Proposal
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
+from specdec.models import kernels
 from specdec.sampling import probabilities, sample
 
 
@@ -115,7 +116,7 @@ class SharedLayersSession:
             states.append(state)
             logits = self.model.logits(state)  # the shared final norm and head
             if self.sampling.greedy:
-                draft, probs = logits.argmax(-1), None
+                draft, probs = kernels.argmax(logits), None
             else:
                 probs = probabilities(logits.float(), self.sampling)
                 draft = sample(probs, self.generator)

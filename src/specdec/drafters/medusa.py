@@ -54,10 +54,11 @@ class Medusa:
         if not target.backend.supports_trees:
             raise UnsupportedModelError(f"{target.backend.description} cannot verify token trees, which Medusa needs")
         dtype = target.backend.dtype
-        if self._runtime is None or self._runtime.dtype != dtype:
+        key = (id(target), dtype) if self.config.original_lm_head else dtype
+        if self._runtime is None or self._runtime[0] != key:
             require_kernels(target, "Medusa heads")
-            self._runtime = medusa.MedusaRuntime(self.net, dtype)
-        return MedusaSession(self, self._runtime)
+            self._runtime = (key, medusa.MedusaRuntime(self.net, dtype, target))
+        return MedusaSession(self, self._runtime[1])
 
 
 class MedusaSession:

@@ -27,6 +27,7 @@ import torch
 from specdec.batch import Sequences
 from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
+from specdec.models import kernels
 from specdec.sampling import probabilities, sample
 
 
@@ -107,7 +108,7 @@ class Drafting:
 
     def next(self, logits: torch.Tensor):
         if self.sampling.greedy:
-            return logits.argmax(-1), None
+            return kernels.argmax(logits), None
         probs = probabilities(logits.float(), self.sampling)
         return sample(probs, self.generator), probs
 

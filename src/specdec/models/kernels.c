@@ -1540,33 +1540,69 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
 }
 
 /* ---- greedy verification: argmax positions and the accepted prefix, in one call ------------- */
-/* The index of the largest of n floats: the first one on ties, the first NaN if there is one (as
- * torch.argmax). Comparisons only, so no order of operations to fix. */
-static long argmax_row(const float* x, long n) {
+/* The index of the largest of n elements (float32, bfloat16 or float16): the first one on ties, the
+ * first NaN if there is one (as torch.argmax). Comparisons only, so no order of operations to fix:
+ * one pass for the largest value (and whether a NaN is there), one for its first position. */
+static long argmax_row(const void* x, long n, int dtype) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dtype != F16 && n >= 8) {
+        __m256 top = load8(x, 0, dtype), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+        long j = 8;
+        for (; j + 8 <= n; j += 8) {
+            __m256 v = load8(x, j, dtype);
+            top = _mm256_max_ps(top, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], m;
+        _mm256_storeu_ps(lanes, top);
+        m = lanes[0];
+        for (int l = 1; l < 8; l++) if (lanes[l] > m) m = lanes[l];
+        int has_nan = _mm256_movemask_ps(nan);
+        for (; j < n; j++) {
+            float v = load1(x, j, dtype);
+            if (isnan(v)) has_nan = 1;
+            else if (v > m) m = v;
+        }
+        if (!has_nan) {
+            __m256 want = _mm256_set1_ps(m);
+            for (j = 0; j + 8 <= n; j += 8) {
+                int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, j, dtype), want, _CMP_EQ_OQ));
+                if (hit) return j + __builtin_ctz(hit);
+            }
+            for (; j < n; j++) if (load1(x, j, dtype) == m) return j;
+        }
+    }
+#endif
     long best = 0;
-    float top = x[0];
+    float top = load1(x, 0, dtype);
     if (isnan(top)) return 0;
     for (long j = 1; j < n; j++) {
-        float v = x[j];
+        float v = load1(x, j, dtype);
         if (isnan(v)) return j;
         if (v > top) { top = v; best = j; }
     }
     return best;
 }
 
-/* logits [B, W, V] float32 (row b at b * ld_b, position j at j * ld_w); drafts [B, W - 1] int64 (row
+/* out[r] = argmax of row r of x [rows, n] (row stride ld elements). */
+void sd_argmax(const void* x, long rows, long n, long ld, int dtype, int64_t* out) {
+    for (long r = 0; r < rows; r++) out[r] = argmax_row((const char*)x + r * ld * (long)esize(dtype), n, dtype);
+}
+
+/* logits [B, W, V] in dtype (row b at b * ld_b, position j at j * ld_w elements); drafts [B, W - 1] int64 (row
  * stride ld_d); lengths [B]: a row accepts drafts while they equal the argmax at their position,
  * up to its length; accepted[b] counts them and next[b] is the argmax after the last accepted one.
  * Only the positions a row reaches are scanned. */
-void sd_greedy_accept(const float* logits, long B, long W, long V, long ld_b, long ld_w, const int64_t* drafts,
-                      long ld_d, const int64_t* lengths, int64_t* accepted, int64_t* next) {
+void sd_greedy_accept(const void* logits, long B, long W, long V, long ld_b, long ld_w, const int64_t* drafts,
+                      long ld_d, const int64_t* lengths, int64_t* accepted, int64_t* next, int dtype) {
+    long size = (long)esize(dtype);
     for (long b = 0; b < B; b++) {
-        const float* row = logits + b * ld_b;
+        const char* row = (const char*)logits + b * ld_b * size;
         long limit = lengths[b] < W - 1 ? lengths[b] : W - 1, a = 0;
-        long token = argmax_row(row, V);
+        long token = argmax_row(row, V, dtype);
         while (a < limit && token == drafts[b * ld_d + a]) {
             a++;
-            token = argmax_row(row + a * ld_w, V);
+            token = argmax_row(row + a * ld_w * size, V, dtype);
         }
         accepted[b] = a;
         next[b] = token;

@@ -3,7 +3,10 @@
 Head i (0-based) predicts the token i + 2 ahead of the feature's position (the target's own head
 predicts i + 1): ``num_layers`` residual blocks ``x + SiLU(W x + b)`` (W zero-initialised, so a new
 head starts as the target's head), then ``Linear(h, V, bias=False)``. The feature is the target's
-final-normed last hidden state (transformers' ``hidden_states[L]``).
+final-normed last hidden state (transformers' ``hidden_states[L]``). With ``original_lm_head`` (vLLM's
+config key) every head ends in the target's own LM head instead: the folder holds the residual blocks
+only and the head comes from the target at load, which keeps a large-vocabulary target's drafter small
+(SmolLM2's head alone is 49,152 x 576).
 
 Layout (the Medusa repository's): config.json with ``medusa_num_heads``, ``medusa_num_layers``,
 ``hidden_size``, ``vocab_size`` and the candidate tree ``medusa_choices``; weights in
@@ -38,6 +41,7 @@ class MedusaConfig:
     medusa_choices: tuple[tuple[int, ...], ...] = ()
     target: TargetRecord = field(default_factory=TargetRecord)
     training: dict = field(default_factory=dict)
+    original_lm_head: bool = False
 
     def hidden_layers(self) -> tuple[int, ...]:
         return (self.target.num_hidden_layers,)
@@ -46,6 +50,7 @@ class MedusaConfig:
         return {"architectures": ["MedusaModel"], "medusa_num_heads": self.medusa_num_heads,
                 "medusa_num_layers": self.medusa_num_layers, "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size, "medusa_choices": [list(p) for p in self.medusa_choices],
+                "original_lm_head": self.original_lm_head,
                 "specdec": {"method": "medusa", "feature_convention": "hidden_states",
                             "hidden_states_read": list(self.hidden_layers()), "target": asdict(self.target),
                             "training": self.training}}
@@ -58,7 +63,8 @@ class MedusaConfig:
         try:
             return cls(int(data["medusa_num_heads"]), int(data.get("medusa_num_layers", 1)), int(data["hidden_size"]),
                        int(data["vocab_size"]), tuple(tuple(int(i) for i in p) for p in data.get("medusa_choices") or ()),
-                       TargetRecord(**(extra.get("target") or {})), extra.get("training") or {})
+                       TargetRecord(**(extra.get("target") or {})), extra.get("training") or {},
+                       bool(data.get("original_lm_head", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"malformed {where}: {exc}") from None
 
@@ -78,19 +84,27 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.heads = nn.ModuleList([
-            nn.Sequential(*[ResBlock(h) for _ in range(config.medusa_num_layers)], nn.Linear(h, config.vocab_size, bias=False))
-            for _ in range(config.medusa_num_heads)])
+        own = [] if config.original_lm_head else [nn.Linear(h, config.vocab_size, bias=False)]
+        self.heads = nn.ModuleList([nn.Sequential(*[ResBlock(h) for _ in range(config.medusa_num_layers)], *own)
+                                    for _ in range(config.medusa_num_heads)])
+        self.shared_head: torch.Tensor | None = None  # original_lm_head: the target's [V, H], never saved
 
     def init_from_head(self, head: torch.Tensor) -> None:
-        """Start every vocabulary projection from the target's LM head [V, H]."""
+        """Start every vocabulary projection from the target's LM head [V, H] (original_lm_head: use it)."""
+        if self.config.original_lm_head:
+            self.shared_head = head.detach()
+            return
         with torch.no_grad():
             for module in self.heads:
                 module[-1].weight.copy_(head)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features [.., H] -> logits [.., heads, V]."""
-        return torch.stack([head(features) for head in self.heads], dim=-2)
+        if not self.config.original_lm_head:
+            return torch.stack([head(features) for head in self.heads], dim=-2)
+        if self.shared_head is None:
+            raise RuntimeError("these Medusa heads read the target's LM head: call init_from_head(head) first")
+        return F.linear(torch.stack([head(features) for head in self.heads], dim=-2), self.shared_head)
 
 
 def save(net: MedusaHeads, out_dir, dtype: torch.dtype = torch.bfloat16, extra: dict[str, str] | None = None) -> Path:
@@ -120,25 +134,34 @@ def load_net(path: str | os.PathLike) -> MedusaHeads:
 
 
 class MedusaRuntime:
-    """The heads packed for the kernels: features [B, H] -> logits [B, heads, V]."""
+    """The heads packed for the kernels: features [B, H] -> logits [B, heads, V]. ``target``: whose LM
+    head every head ends in (original_lm_head; one product over all heads' rows)."""
 
-    def __init__(self, net: MedusaHeads, dtype: torch.dtype):
+    def __init__(self, net: MedusaHeads, dtype: torch.dtype, target=None):
         self.dtype = dtype
         self.blocks, self.heads = [], []
+        shared = net.config.original_lm_head
         for module in net.heads:
+            blocks = module if shared else module[:-1]
             self.blocks.append([(llama.matrix(block.linear.weight.detach().float(), dtype),
-                                 block.linear.bias.detach().to(dtype).contiguous()) for block in module[:-1]])
-            self.heads.append(llama.matrix(module[-1].weight.detach().float(), dtype))
+                                 block.linear.bias.detach().to(dtype).contiguous()) for block in blocks])
+            if not shared:
+                self.heads.append(llama.matrix(module[-1].weight.detach().float(), dtype))
+        self.shared_head = llama.head_matrix(target, dtype) if shared else None
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         x0 = features.to(self.dtype).contiguous()
         out = []
-        for blocks, head in zip(self.blocks, self.heads):
+        for i, blocks in enumerate(self.blocks):
             x = x0
             for weight, bias in blocks:
                 x = x + F.silu(kernels.linear(x, weight, bias=bias))
-            out.append(kernels.linear(x.contiguous(), head))
-        return torch.stack(out, dim=-2)
+            out.append(x if self.shared_head is not None else kernels.linear(x.contiguous(), self.heads[i]))
+        stacked = torch.stack(out, dim=-2)  # [B, heads, H or V]
+        if self.shared_head is None:
+            return stacked
+        rows = stacked.reshape(-1, stacked.shape[-1]).contiguous()
+        return kernels.linear(rows, self.shared_head).reshape(*stacked.shape[:-1], -1)
 
 
 def with_training(config: MedusaConfig, choices, training: dict) -> MedusaConfig:
