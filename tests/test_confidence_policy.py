@@ -23,7 +23,7 @@ from specdec.drafters import DraftModel, NoDraft, PromptLookup, Proposal
 from specdec.engine import Engine, Request, generate_ids
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingConfig
-from specdec.schedule import ConfidenceScheduler, ConfidenceThreshold, admit_by_survival, parse_policy
+from specdec.schedule import ConfidenceScheduler, ConfidenceThreshold, admit_by_survival, bucket, parse_policy
 from specdec.verify import verify_sampling
 
 from test_greedy_parity import PROMPTS
@@ -251,6 +251,24 @@ def test_scheduler_stops_drafting_after_empty_cuts_and_probes_again():
             assert not bool(policy.cut(None, group, random_proposal(4, k, step)).lengths.any())
     # Three empty cuts, then plain steps with a probe every fifth step.
     assert choices == [4, 4, 4, 0, 0, 0, 0, 4, 0, 0, 0, 0, 4, 0]
+
+
+def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_gain():
+    """Cuts that keep drafts (verification is cheap) but whose drafting, spent before the cut, makes the
+    step slower than a plain one count as losing steps too; confident drafts keep it drafting."""
+    table = flat_table(1.0, 1.0, 1.0, 1.0, 1.0, sizes=(1, 2, 4, 8))
+    for confident, drafting in ((0.05, 2.0), (0.95, 0.1)):
+        policy = prepared(ConfidenceScheduler(table=table, patience=2, explore=100))
+        group, choices = stub_group(4), []
+        for step in range(6):
+            k = policy.draft_tokens(None, group)
+            choices.append(k)
+            if k:
+                policy.draft_cost[bucket(4)] = [drafting / k, 1]  # seconds per draft, as observed online
+                proposal = Proposal(torch.randint(0, 300, (4, k)), torch.full((4,), k),
+                                    confidence=torch.full((4, k), confident))
+                assert bool(policy.cut(None, group, proposal).lengths.any())  # verifying them pays once drafted
+        assert choices == ([4, 4, 0, 0, 0, 0] if confident < 0.5 else [4] * 6), (confident, choices)
 
 
 # Sampling: the output follows the target's own distribution --------------------------------------------

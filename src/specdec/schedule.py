@@ -253,8 +253,11 @@ class ConfidenceScheduler(LoadAware):
 
     Costs are LoadAware's: the profiled T(rows, width) of the dense verification block (width = 1 +
     the longest row kept), the drafting cost and the overhead observed online. Drafting runs at k
-    every step, except after ``patience`` steps in a row whose cut kept nothing: then steps decode
-    plainly (no drafting cost), drafting again once every ``explore`` steps to look.
+    every step, except after ``patience`` losing steps in a row: steps whose expected rate as cut
+    (the kept drafts' survivals, the drafting spent included) is below a plain step's, an empty cut
+    among them. Then steps decode plainly (no drafting cost), drafting again once every ``explore``
+    steps to look. The expectation reads confidences and costs only, never whether a draft was
+    right, so stopping stays lossless too.
     """
 
     name = "confidence"
@@ -264,7 +267,7 @@ class ConfidenceScheduler(LoadAware):
     def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, **options):
         super().__init__(max_draft_tokens, **options)
         self.patience = patience
-        self.empty_cuts = 0  # steps in a row whose cut kept no draft
+        self.losing = 0  # steps in a row whose expected rate, drafting included, was below plain decoding's
 
     def prepare(self, engine) -> None:
         require_confidence_head(engine, self.name)
@@ -272,7 +275,7 @@ class ConfidenceScheduler(LoadAware):
 
     def draft_tokens(self, engine, group) -> int:
         k = self.k_max
-        if self.empty_cuts >= self.patience:
+        if self.losing >= self.patience:
             self.undrafted += 1
             if self.undrafted <= self.explore:
                 k = 0
@@ -288,7 +291,11 @@ class ConfidenceScheduler(LoadAware):
         costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
                               for n in range(width + 1)], dtype=torch.float64)
         lengths = admit_by_survival(confidence[:, :width], proposal.lengths.clamp(max=width), costs)
-        self.empty_cuts = 0 if bool(lengths.any()) else self.empty_cuts + 1
+        survival = confidence[:, :width].detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)
+        kept = torch.arange(width) < lengths.cpu()[:, None]
+        expected = (rows + float((survival * kept).sum())) / float(costs[int(lengths.max()) if rows else 0])
+        plain = rows / (self.verify_seconds(rows, 1) + self.nearest(self.overhead[False], rows))
+        self.losing = 0 if expected > plain else self.losing + 1
         return keep_prefixes(group, proposal, lengths)
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
