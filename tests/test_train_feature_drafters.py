@@ -52,6 +52,27 @@ def test_medusa_training_lowers_the_loss_and_picks_a_tree(tmp_path):
     assert set(summary["tree_sizes"]) == {str(n) for n in tm.TREE_SIZES}
 
 
+def test_medusa_heads_on_the_targets_own_head_train_and_draft(tmp_path):
+    """original_lm_head: the heads end in the target's LM head, which the folder leaves out (only the
+    residual blocks are saved); the loss falls, the offline metric reloads the head, decoding is exact."""
+    base = tm.PRESETS["tiny"]
+    config = replace(base, shape=replace(base.shape, original_lm_head=True))
+    summary = tm.train_medusa(config, zoo_path("target"), tmp_path / "out", **QUIET)
+    assert falls(history(tmp_path / "out" / "checkpoints"))
+    from safetensors.torch import load_file
+
+    names = set(load_file(tmp_path / "out" / "medusa_lm_head.safetensors"))
+    assert names == {f"{i}.0.linear.{n}" for i in range(3) for n in ("weight", "bias")}
+    offline = tm.evaluate_drafter(tmp_path / "out", zoo_path("target"), tmp_path / "cache",
+                                 heldout_sequences=config.heldout_sequences, **QUIET)
+    assert offline["tau_default_tree"] == pytest.approx(summary["offline"]["tau_default_tree"], abs=0.05)
+    target = specdec.load_target(zoo_path("target"))
+    prompts = target.encode(["def f(x):\n    return", "import os\n"])
+    plain = specdec.generate(target, prompts, max_new_tokens=12)
+    out = specdec.generate(target, prompts, drafter=Medusa(tmp_path / "out"), max_new_tokens=12)
+    assert out.token_ids == plain.token_ids
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 def test_resume_after_kill_is_exact(kind, tmp_path):
     module, train = (te, te.train_eagle) if kind == "eagle3" else (tm, tm.train_medusa)
