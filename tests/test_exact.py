@@ -184,13 +184,14 @@ def test_threads_split_work_without_changing_a_bit(dtype, backends):
     cache = backend.new_cache(2, 64)
     single, _ = cache.forward(torch.tensor([sequence, sequence[::-1]]), torch.ones(2, 35, dtype=torch.bool), 0)
     library = kernels.library()
+    saved = library.sd_parallel_threshold()
     try:
         kernels.set_threads(2)
         library.sd_set_parallel_threshold(1)  # every product and every attention call in parallel
         cache = backend.new_cache(2, 64)
         split, _ = cache.forward(torch.tensor([sequence, sequence[::-1]]), torch.ones(2, 35, dtype=torch.bool), 0)
     finally:
-        library.sd_set_parallel_threshold(1 << 22)
+        library.sd_set_parallel_threshold(saved)
         kernels.set_threads(torch.get_num_threads())
     assert torch.equal(single, split)
 

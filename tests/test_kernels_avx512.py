@@ -38,12 +38,13 @@ def each_build(builds, monkeypatch, compute, threads=1):
     for name, library in builds.items():
         monkeypatch.setattr(kernels, "_library", library)
         library.sd_set_threads(threads)
-        library.sd_set_parallel_threshold(1 if threads > 1 else 1 << 22)
+        saved = library.sd_parallel_threshold()
+        library.sd_set_parallel_threshold(1 if threads > 1 else saved)
         try:
             results[name] = compute()
         finally:
             library.sd_set_threads(torch.get_num_threads())
-            library.sd_set_parallel_threshold(1 << 22)
+            library.sd_set_parallel_threshold(saved)
     monkeypatch.undo()
     return results
 

@@ -59,7 +59,8 @@ def run(x, w, residual, bias):
 def test_a_row_keeps_its_bits_in_every_block(qtype, threads):
     lib = kernels.library()
     lib.sd_set_threads(threads)
-    lib.sd_set_parallel_threshold(1 if threads > 1 else 1 << 22)
+    saved = lib.sd_parallel_threshold()
+    lib.sd_set_parallel_threshold(1 if threads > 1 else saved)
     try:
         w, x, residual, bias = product_case(qtype, 64)
         alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(64)])
@@ -67,7 +68,7 @@ def test_a_row_keeps_its_bits_in_every_block(qtype, threads):
             assert torch.equal(run(x[:rows], w, residual[:rows], bias), alone[:rows]), rows
     finally:
         lib.sd_set_threads(torch.get_num_threads())
-        lib.sd_set_parallel_threshold(1 << 22)
+        lib.sd_set_parallel_threshold(saved)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -252,24 +252,31 @@ static inline __m512i pair_order(void) {  /* lane c of the result: (row k col c,
     return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
+/* One pair of k-rows (k, k + 1) into each of the tile's chains; LOAD(p): panel p's 32 weights. */
+#define PAIR_STEP(R, P, LOAD)                                                                      \
+    {                                                                                              \
+        __m512bh w[P];                                                                             \
+        for (int p = 0; p < P; p++) w[p] = (__m512bh)_mm512_permutexvar_epi16(order, LOAD);        \
+        for (int r = 0; r < R; r++) {                                                              \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
+        }                                                                                          \
+    }
+/* Whole pairs with plain loads; an odd K's last input alone, its weight pair's second half zero by a
+ * masked load (kept out of the loop: a masked load in it made 16-row products twice as slow). */
 #define PAIR_TILE(R, P, NAME)                                                                      \
 static void pair_##R##_##P(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out) { \
     __m512 acc[R][P];                                                                              \
     const __m512i order = pair_order();                                                            \
     const uint16_t* w16 = (const uint16_t*)wp;                                                     \
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();      \
-    for (long k = 0; k < K; k += 2) {                                                              \
-        __mmask32 rows = k + 2 <= K ? 0xffffffffu : 0xffffu; /* odd K: the last input alone, w's pair half 0 */ \
-        __m512bh w[P];                                                                             \
-        for (int p = 0; p < P; p++)                                                                \
-            w[p] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(rows, w16 + p * pstride + k * NR)); \
+    long k = 0;                                                                                    \
+    for (; k + 2 <= K; k += 2) {                                                                   \
         for (int p = 0; p < P; p++)                                                                \
             _mm_prefetch((const char*)(w16 + p * pstride + k * NR) + WIDE_PREFETCH, _MM_HINT_T1);  \
-        for (int r = 0; r < R; r++) {                                                              \
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
-            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
-        }                                                                                          \
+        PAIR_STEP(R, P, _mm512_loadu_si512(w16 + p * pstride + k * NR))                           \
     }                                                                                              \
+    if (k < K) PAIR_STEP(R, P, _mm512_maskz_loadu_epi16(0xffffu, w16 + p * pstride + k * NR))     \
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++)                                        \
         _mm512_storeu_ps(acc_out + r * 8 * NR + p * NR, acc[r][p]);                                \
 }
@@ -579,12 +586,16 @@ static void linear_part(void* arg, int part, int parts) {
 }
 
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
- * of microseconds, and torch's own threads compete for the same cores between kernel calls. */
-static long parallel_threshold = 1L << 22;
+ * of microseconds, and torch's own threads compete for the same cores between kernel calls. A
+ * worker spins a while after each job, so within a forward pass the next job finds it awake: from
+ * about 2^18 multiply-adds (SmolLM2's 576 x 576 product of one bfloat16 row, 0.6 ms for its 30
+ * layers on one Zen 4 core) two threads finish sooner than one (measured: 0.51 ms). */
+static long parallel_threshold = 1L << 18;
 /* Split a product whose weights are at least this many bytes (quantized; float ones twice as many):
  * below that they come from the caches (a small model), where a second thread costs more than it saves. */
 static long parallel_bytes = 1L << 19;
 void sd_set_parallel_threshold(long fmas) { parallel_threshold = fmas; }
+long sd_parallel_threshold(void) { return parallel_threshold; }
 void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
 
 /* Parts for a product over `panels` panels: every thread when there are enough multiply-adds (in
@@ -1211,7 +1222,7 @@ static void silu_part(void* arg, int part, int parts) {
 /* Rows split between the threads from a few rows on (each element is its own computation). */
 void sd_silu_mul(const void* gate_up, long M, long I, long ld_in, void* out, long ld_out, int dtype) {
     struct silu_job job = {gate_up, M, I, ld_in, out, ld_out, dtype};
-    run_parallel(silu_part, &job, M * I >= parallel_threshold / 512 ? (int)(M < active_threads ? M : active_threads) : 1);
+    run_parallel(silu_part, &job, M * I >= parallel_threshold / 32 ? (int)(M < active_threads ? M : active_threads) : 1);
 }
 
 /* ---- attention over the cache --------------------------------------------------------------
@@ -1462,7 +1473,7 @@ int sd_attention(const void* q, long ld_q, const void* keys, const void* values,
     struct attention_job job = {q, keys, values, visible, out, ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out,
                                 scale, dtype, 0};
     /* Parallel from a few hundred thousand multiply-adds: a block of 2 tokens over 200 columns. */
-    int parts = n * heads * T * D * 2 >= parallel_threshold / 32 ? active_threads : 1;
+    int parts = n * heads * T * D * 2 >= parallel_threshold / 2 ? active_threads : 1;
     job.slices = attention_slices(&job, parts);
     long items = B * kv * job.slices;
     if (parts > items) parts = (int)items;
