@@ -74,3 +74,20 @@ specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 -
   --drafters dflash dspark --block-sizes 8 7 --policies conf-min:0.3 confidence --no-transformers \
   --threads 2 --output $OUT/dspark-400-greedy.json
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-glue.json
+
+# Sixth session (AMD EPYC family 25 model 17, Zen 4; 2 threads): EAGLE-1 and Medusa on the target's own head,
+# one final-layer feature cache (built by the first command, 20 min)
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt --data-dir runs/data \
+  --out runs/smollm2-eagle1/out --ckpt-dir runs/smollm2-eagle1/ckpt --threads 2 --max-minutes 38
+specdec train medusa --target smollm2-135m --preset medusa-sharegpt --data-dir runs/data \
+  --out runs/smollm2-medusa/out --ckpt-dir runs/smollm2-medusa/ckpt --threads 2 --max-minutes 35
+cp runs/smollm2-eagle1/out/* src/specdec/zoo/data/smollm2-135m/eagle/
+cp runs/smollm2-medusa/out/* src/specdec/zoo/data/smollm2-135m/medusa/
+# early exit on the unmodified target
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 \
+  -k 2 4 --drafters early-exit=$HOME/.cache/specdec/models/smollm2-135m --exit-layers 10 20 --no-transformers --threads 2
+# every drafter, bfloat16, after the kernel fixes
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 3 --max-new-tokens 64 \
+  -k 2 4 --drafters eagle eagle3 medusa dflash dspark --block-sizes 8 --policies confidence --no-transformers \
+  --threads 2 --record --output $OUT/real-bench-bfloat16-s6.json
+python docs/measurements/forward_ab.py 2 bfloat16 START.so smollm2-135m 1,2,4,5,8,16   # START.so: the session's first build
