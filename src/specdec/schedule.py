@@ -291,7 +291,7 @@ class ConfidenceScheduler(LoadAware):
         costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
                               for n in range(width + 1)], dtype=torch.float64)
         lengths = admit_by_survival(confidence[:, :width], proposal.lengths.clamp(max=width), costs)
-        survival = confidence[:, :width].detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)
+        survival = survivals(confidence[:, :width])
         kept = torch.arange(width) < lengths.cpu()[:, None]
         expected = (rows + float((survival * kept).sum())) / float(costs[int(lengths.max()) if rows else 0])
         plain = rows / (self.verify_seconds(rows, 1) + self.nearest(self.overhead[False], rows))
@@ -300,6 +300,11 @@ class ConfidenceScheduler(LoadAware):
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         self.observe_costs(group.size, width, self.last_choice, timing)
+
+
+def survivals(confidence: torch.Tensor) -> torch.Tensor:
+    """s[r, j] = c[r, 0] ... c[r, j] in float64 on the CPU, confidences [B, k] clamped to [0, 1]."""
+    return confidence.detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)
 
 
 def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
@@ -321,7 +326,7 @@ def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: to
     rows, k = confidence.shape
     if not k:
         return torch.zeros_like(lengths)
-    survival = confidence.detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)  # [B, k]
+    survival = survivals(confidence)  # [B, k]
     drafted = torch.arange(k) < lengths.cpu()[:, None]
     survival = torch.where(drafted, survival, -1.0)  # slots a row did not draft are never worth admitting
     by_position = survival.T.reshape(-1)  # [k * B], slot (r, j) at j * B + r
