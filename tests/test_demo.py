@@ -66,11 +66,14 @@ def test_bench_records_the_fastest_setting_and_the_drafter_uses_it(tmp_path, cap
 
     from specdec.drafters import Eagle
 
-    folder = tmp_path / "eagle3"
+    from specdec.drafters.draft_model import DraftModel
+
+    folder, draft = tmp_path / "eagle3", tmp_path / "draft"
     shutil.copytree(zoo_path("eagle3"), folder)
+    shutil.copytree(zoo_path("draft"), draft)
     code = main(["bench", "--target", str(zoo_path("target")), "--tasks", "code-completion", "copy-edit",
                  "--num-prompts", "1", "-k", "2", "4", "--trees", "3/2/4", "--max-new-tokens", "12", "--no-transformers",
-                 "--drafters", f"eagle3={folder}", "--record", "--json"])
+                 "--drafters", f"eagle3={folder}", "--draft", str(draft), "--record", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["prompts"] == 2 and result["cpu"]
     rows = [r for r in result["rows"] if r["family"] == "eagle3"]
@@ -79,6 +82,10 @@ def test_bench_records_the_fastest_setting_and_the_drafter_uses_it(tmp_path, cap
     assert (recorded["num_draft_tokens"], recorded["tree"]) == (best["k"], best["tree"])
     drafter = Eagle(folder)
     assert drafter.default_draft_tokens == best["k"]
+    fastest = max((r for r in result["rows"] if r["family"] == "draft-model" and r["impl"] == "specdec"),
+                  key=lambda r: r["speedup_vs_plain"])
+    recorded = json.loads((draft / "config.json").read_text())["specdec"]["defaults"]
+    assert recorded["num_draft_tokens"] == fastest["k"] == DraftModel(draft).default_draft_tokens
     assert (drafter.default_tree is None) == (best["tree"] is None)
     # a generation that asks for neither k nor a tree runs the recorded setting, still exact
     target, _ = zoo

@@ -381,3 +381,103 @@ def test_bfloat16_autocast_still_lowers_the_loss(chat_dir, sharegpt, tmp_path, m
     assert half != losses["float32"]  # autocast was on ...
     assert max(abs(a - b) for a, b in zip(half, losses["float32"])) < 0.05  # ... and follows float32 closely
     assert losses["no-bf16-cpu"] == losses["float32"]  # off where the CPU has no bfloat16 dot products
+
+
+def test_draft_model_distils_from_the_cache_and_drafts_exactly(chat_dir, sharegpt, tmp_path, monkeypatch):
+    """``specdec train distill`` on a real target: a narrower Llama sharing the tokenizer, its embeddings the
+    target's projected, trained on the cached final states; the loss falls, the folder records the target,
+    the offline metric is what drafting gets, and decoding with it equals plain decoding."""
+    from specdec.commands.cli import main
+    from specdec.drafters.draft_model import DraftModel
+    from specdec.train import draft
+
+    base = draft.PRESETS["tiny"]
+    config = replace(base, source="sharegpt", **SHAREGPT_DATA, optim=replace(base.optim, steps=24, eval_every=100))
+    summary = draft.train_draft(config, chat_dir, tmp_path / "out", log=lambda m: None)
+    losses = [record["loss"] for record in history(tmp_path / "out" / "checkpoints")]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    target = load_target(chat_dir)
+    assert summary["target"]["fingerprint"] == target.fingerprint() and summary["data_source"] == "sharegpt"
+    assert "cached on disk" in summary["features"]
+    student = DraftModel(tmp_path / "out")
+    assert student.backend.config.hidden_size == 32 and student.default_draft_tokens is None  # nothing recorded
+
+    # The offline metric's claim: from an anchor, the accepted run equals what drafting greedily gets.
+    run = features.prepare_run("draft", config, chat_dir, tmp_path / "out", tmp_path / "out" / "checkpoints", True,
+                               draft.config_from_dict, lambda m: None)
+    from transformers import AutoModelForCausalLM
+
+    from specdec.drafters.base import TreeConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    frozen = run.frozen((3,))
+    objective = draft.Objective(config, frozen, 3)
+    tokens, valid = run.held.batch(torch.arange(1))
+    length, start = int(run.held.lengths[0]), int(run.held.prompt_len[0]) - 1
+    with torch.no_grad():
+        truth = frozen.run(tokens, valid, (3,))[1].argmax(-1)[0]  # the target's choice after each position
+        guesses = model(input_ids=tokens).logits.argmax(-1)[0]
+        for anchor in range(start, length - config.eval_depth - 1):
+            context = tokens[:, : anchor + 2]  # committed through the pending token anchor + 1
+            run_length = 0
+            for _ in range(config.eval_depth):
+                proposal = int(model(input_ids=context).logits[0, -1].argmax())
+                if proposal != int(truth[context.shape[1] - 1]):
+                    break
+                run_length += 1
+                context = torch.cat([context, torch.tensor([[proposal]])], dim=1)
+            offline = 0
+            while offline < config.eval_depth and int(guesses[anchor + 1 + offline]) == int(truth[anchor + 1 + offline]):
+                offline += 1
+            assert offline == run_length, anchor
+    metrics = objective.evaluate(model, run.held)
+    assert 1.0 <= metrics["tau_k1"] <= metrics["tau_k3"] <= 4.0
+
+    ids = target.encode(["def item3(x):", "and twice?"])
+    plain = specdec.generate(target, ids, max_new_tokens=16)
+    for settings in ({"num_draft_tokens": 3}, {"tree": TreeConfig(depth=2, topk=2, num_nodes=4)}):
+        out = specdec.generate(target, ids, drafter=student, max_new_tokens=16, **settings)
+        assert out.token_ids == plain.token_ids, settings
+
+    # The command dispatches on the target: this one is not the zoo's, so it trains from the cache.
+    code = main(["train", "distill", "--target", str(chat_dir), "--out", str(tmp_path / "cli"), "--preset", "tiny",
+                 "--steps", "2", "--data-dir", str(tmp_path / "cli-data")])
+    assert code == 2  # the tiny preset's 24 tokens hold no ShareGPT turn here: one line, nothing written
+    assert not (tmp_path / "cli" / "config.json").exists()
+
+
+def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, sharegpt, tmp_path):
+    """``specdec train mtp`` on a real target: sequential modules learn from the cached final states while the
+    target stays as it is; the folder holds the modules alone with the target record; drafting with them
+    (deeper than the modules, which are then reused) equals plain decoding; a wrong target or folder is one line."""
+    from safetensors.torch import load_file
+
+    from specdec.commands.cli import main
+    from specdec.drafters.mtp import MTP, is_modules_folder
+    from specdec.errors import DrafterMismatchError, ModelLoadError
+    from specdec.train import mtp as tmtp
+
+    base = tmtp.PRESETS["tiny"]
+    config = replace(base, source="sharegpt", **SHAREGPT_DATA, optim=replace(base.optim, steps=24, eval_every=100))
+    summary = tmtp.train_mtp(config, chat_dir, tmp_path / "out", log=lambda m: None)
+    losses = [record["loss"] for record in history(tmp_path / "out" / "checkpoints")]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+    assert summary["frozen_trunk"] and summary["depth"] == 2 and 1.0 <= summary["offline"]["tau_k1"] <= 2.0
+    names = set(load_file(tmp_path / "out" / "model.safetensors"))
+    assert names and all(name.startswith(("model.layers.3.", "model.layers.4.")) for name in names)
+    assert is_modules_folder(tmp_path / "out") and not is_modules_folder(chat_dir)
+
+    target = load_target(chat_dir)
+    ids = target.encode(["def item3(x):", "and twice?"])
+    plain = specdec.generate(target, ids, max_new_tokens=16)
+    for k in (1, 2, 4):
+        out = specdec.generate(target, ids, drafter=MTP(modules=tmp_path / "out"), num_draft_tokens=k, max_new_tokens=16)
+        assert out.token_ids == plain.token_ids, k
+    with pytest.raises(DrafterMismatchError):
+        specdec.generate(load_target(zoo_path("target")), [[5, 6, 7]], drafter=MTP(modules=tmp_path / "out"),
+                         max_new_tokens=4)
+    with pytest.raises(ModelLoadError, match="not a folder of MTP modules"):
+        MTP(modules=chat_dir)
+    code = main(["generate", "--target", str(chat_dir), "--drafter", "mtp", "--draft", str(tmp_path / "missing"),
+                 "--prompt", "hi", "--max-new-tokens", "4"])
+    assert code == 2

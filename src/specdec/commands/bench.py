@@ -722,8 +722,13 @@ def run_bench_command(args) -> int:
         prompts = prompts[: args.num_prompts]
     requested = [parse_drafter(text, args.target) for text in args.drafters]
     from specdec.drafters.registry import REGISTRY
-    own = [(name, folder) for name, folder in requested if REGISTRY[name].zoo_variant]
-    requested = [(name, folder) for name, folder in requested if not REGISTRY[name].zoo_variant]
+    from specdec.drafters.mtp import is_modules_folder
+
+    def self_drafting(name, folder):  # a model of its own; MTP modules kept apart draft for the target itself
+        return REGISTRY[name].zoo_variant and not (name == "mtp" and is_modules_folder(folder))
+
+    own = [(name, folder) for name, folder in requested if self_drafting(name, folder)]
+    requested = [(name, folder) for name, folder in requested if not self_drafting(name, folder)]
     engines, variants = [], []
     for backend in dict.fromkeys(args.backend):
         target = load_target(args.target, dtype=args.dtype, backend=backend,
@@ -752,7 +757,7 @@ def run_bench_command(args) -> int:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
-        for name, folder in requested:
+        for name, folder in requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else []):
             record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
                                                  f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads")
     return 0 if result["outputs_identical"] is not False else 1
@@ -793,7 +798,8 @@ def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
                                    f"self-drafting models (early-exit=DIR, mtp=DIR), got {name!r}")
     if not folder:
         from specdec.zoo import REAL_MODELS, zoo_path
-        real = str(target) in REAL_MODELS and not entry.zoo_variant
+        # A real target's MTP modules were trained on its frozen trunk and kept apart (smollm2-135m/mtp).
+        real = str(target) in REAL_MODELS and (not entry.zoo_variant or name == "mtp")
         folder = str(zoo_path(f"{target}/{entry.zoo or name}" if real else entry.zoo or entry.zoo_variant))
     return name, folder
 

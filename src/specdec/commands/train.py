@@ -70,14 +70,25 @@ def cmd_train_target(args) -> int:
 
 
 def cmd_train_distill(args) -> int:
-    from specdec.train import distill
+    """The zoo's target distils on its corpus with the target running in the loop; any other target on
+    ShareGPT with its features cached (train/draft.py)."""
+    from specdec.backends.target import resolve_model
+    from specdec.train import distill, draft
 
     _check_resume_options(args)
     _set_threads(args.threads)
-    config = _apply_overrides(distill.load_config(args.config, args.preset or "zoo"), args)
-    summary = distill.train_distill(
-        config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
-    )
+    target = Path(resolve_model(args.target))
+    if _is_zoo_target(target):
+        if args.data_dir is not None:
+            raise SpecdecError("--data-dir is for targets other than the zoo's (their features are cached)")
+        config = _apply_overrides(distill.load_config(args.config, args.preset or "zoo"), args)
+        summary = distill.train_distill(
+            config, target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
+        )
+    else:
+        config = _apply_overrides(draft.load_config(args.config, args.preset or "draft-sharegpt"), args)
+        summary = draft.train_draft(config, target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
+                                    max_minutes=args.max_minutes, data_dir=args.data_dir)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
 
@@ -116,6 +127,10 @@ def cmd_train_selfspec(args) -> int:
     if args.resume and (getattr(args, "design", None) is not None or getattr(args, "depth", None) is not None):
         raise SpecdecError("--resume takes the configuration from the checkpoint; drop --design/--depth")
     _set_threads(args.threads)
+    if args.train_command == "mtp" and not _is_zoo_target(args.target):
+        return _train_mtp_on_frozen_trunk(args)
+    if getattr(args, "data_dir", None) is not None:
+        raise SpecdecError("--data-dir is for targets other than the zoo's (their features are cached)")
     config = _apply_overrides(selfspec.load_config(args.config, args.preset or args.train_command), args)
     if args.train_command == "mtp":
         changes = {key: value for key, value in (("design", args.design), ("depth", args.depth)) if value is not None}
@@ -124,6 +139,37 @@ def cmd_train_selfspec(args) -> int:
         config = replace(config, exit_weight=args.exit_weight)
     summary = selfspec.train_selfspec(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
                                       max_minutes=args.max_minutes)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
+def _is_zoo_target(target) -> bool:
+    """Whether ``target`` (a folder or a model name) has the zoo's tokenizer: its drafters train on the zoo's
+    corpus with the target in the loop; any other trains on ShareGPT from cached features."""
+    from specdec.backends.hf import load_tokenizer
+    from specdec.backends.target import resolve_model
+    from specdec.train.features import data_source
+
+    return data_source("auto", load_tokenizer(Path(resolve_model(target)))) == "corpus"
+
+
+def _train_mtp_on_frozen_trunk(args) -> int:
+    """``specdec train mtp`` on a real target: sequential modules beside the unchanged target (train/mtp.py)."""
+    from dataclasses import replace
+
+    from specdec.backends.target import resolve_model
+    from specdec.train import mtp
+
+    if args.design == "parallel":
+        raise SpecdecError("on a frozen target MTP trains sequential modules only (parallel heads continue the "
+                           "zoo's target)")
+    config = _apply_overrides(mtp.load_config(args.config, args.preset or "mtp-sharegpt"), args)
+    if args.depth is not None:
+        if args.depth < 1:
+            raise SpecdecError(f"--depth must be >= 1, got {args.depth}")
+        config = replace(config, shape=replace(config.shape, depth=args.depth))
+    summary = mtp.train_mtp(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir,
+                            resume=args.resume, max_minutes=args.max_minutes, data_dir=args.data_dir)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
 
@@ -238,9 +284,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the zoo's, else train one)")
     p.set_defaults(func=cmd_train_target)
 
-    p = train_sub.add_parser("distill", help="distil a 1-layer draft from a frozen target")
+    p = train_sub.add_parser("distill", help="distil a small draft model from a frozen target")
     _common_run_options(p)
-    p.add_argument("--target", required=True, type=Path, help="exported target model folder")
+    p.add_argument("--target", required=True, type=Path, help="target model folder or name (e.g. smollm2-135m)")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="targets other than the zoo's: folder of the token ids and cached target features "
+                        "(shared with the other drafters' runs on the same data)")
     p.set_defaults(func=cmd_train_distill)
 
     for name, text in (("medusa", "Medusa-1 heads on the frozen target's last hidden state"),
@@ -266,9 +315,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("--exit-weight", type=float, default=None, help="weight of the early exits' loss (default 1.0)")
     p.set_defaults(func=cmd_train_selfspec)
 
-    p = train_sub.add_parser("mtp", help="continue a target jointly with multi-token prediction modules or heads")
+    p = train_sub.add_parser("mtp", help="multi-token prediction modules: the zoo's target continued jointly with "
+                                         "them, any other target frozen with sequential modules beside it")
     _common_run_options(p)
-    p.add_argument("--target", required=True, type=Path, help="the target model folder to continue")
+    p.add_argument("--target", required=True, type=Path, help="the target model folder (or name, e.g. smollm2-135m)")
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="targets other than the zoo's: folder of the token ids and cached target features")
     p.add_argument("--design", choices=("sequential", "parallel"), default=None,
                    help="sequential: DeepSeek-V3 modules (default); parallel: independent heads on a shared trunk")
     p.add_argument("--depth", type=int, default=None, help="modules or heads, each one token further (default 3)")

@@ -16,7 +16,7 @@ from specdec.batch import Sequences
 from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
 from specdec.models import kernels
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, Proposal
+from specdec.drafters.base import DecodeContext, Proposal, recorded_defaults
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend
 
@@ -42,6 +42,7 @@ class DraftModel:
             self.backend, self.model = load_backend(model, dtype, device, backend)
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
+            self.default_draft_tokens, self.default_tree = recorded_defaults(self.path)  # bench --record's fastest
         else:  # None is typically target.model of a native target
             hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "

@@ -32,14 +32,19 @@ from specdec.sampling import probabilities, sample
 
 
 class MTP:
-    """Draft with the target's own MTP modules or heads (the first ``depth`` of them; None: all)."""
+    """Draft with the target's own MTP modules or heads (the first ``depth`` of them; None: all), or with
+    sequential modules trained on the unchanged target and kept in a folder of their own (``modules``:
+    ``specdec train mtp`` on a real target; native backend)."""
 
     name = "mtp"
 
-    def __init__(self, depth: int | None = None):
+    def __init__(self, depth: int | None = None, modules: str | None = None):
         if depth is not None and int(depth) < 1:
             raise DrafterMismatchError(f"MTP depth must be >= 1, got {depth}")
         self.depth = None if depth is None else int(depth)
+        self.modules = None if modules is None else str(modules)
+        if self.modules is not None:
+            self._record, self._config = modules_record(self.modules)
         self.features = FeatureSpec()
         self._loaded: dict = {}
 
@@ -55,6 +60,8 @@ class MTP:
         from specdec.models import mtp
 
         native = getattr(target.backend, "name", "") == "native"
+        if self.modules is not None:
+            return self._load_modules(target, native)
         if target.path is None:
             raise UnsupportedModelError("MTP drafting reads the modules from the target's folder; load the target "
                                         "with specdec.load_target(DIR)")
@@ -78,6 +85,27 @@ class MTP:
             runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype)
             return config.design, runtime.depth, runtime
         return config.design, net.config.depth, net.to(target.backend.dtype)
+
+    def _load_modules(self, target, native: bool):
+        """Modules of a folder of their own, for the unchanged ``target``: checked against the record."""
+        import warnings
+
+        from specdec.models import mtp
+
+        if not native:
+            raise UnsupportedModelError(f"MTP modules kept apart from the target ({self.modules}) run on the native "
+                                        "backend; load the target with backend='native'")
+        config = self._config
+        warning = self._record.check(target, f"the MTP modules in {self.modules}", config.hidden_size,
+                                     target.vocab_size)
+        if warning:
+            warnings.warn(warning, stacklevel=3)
+        net = mtp.read_mtp(self.modules, self._depth(config.depth, target))
+        from specdec.drafters.eagle import require_kernels
+
+        require_kernels(target, "MTP modules")
+        runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype)
+        return config.design, runtime.depth, runtime
 
     def _depth(self, available: int, target) -> int:
         if self.depth is None:
@@ -283,3 +311,41 @@ class RecomputeSession(Drafting):
 
     def extend(self, other: "RecomputeSession") -> None:
         self.states = self.states + other.states
+
+
+def modules_record(folder: str):
+    """(target record, MtpConfig) of a folder of MTP modules trained on a frozen target; one line when the
+    folder is missing, unreadable or not such a folder."""
+    import json
+    from pathlib import Path
+
+    from specdec.errors import ModelLoadError
+    from specdec.models.eagle import TargetRecord
+    from specdec.models.mtp import MODULES_KEY as MTP_MODULES_KEY, MtpConfig
+
+    file = Path(folder) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    record = data.get(MTP_MODULES_KEY) if isinstance(data, dict) else None
+    if not isinstance(record, dict) or "specdec_mtp" not in data:
+        raise ModelLoadError(f"{folder} is not a folder of MTP modules (its config.json lacks specdec_mtp and "
+                             f"{MTP_MODULES_KEY}; `specdec train mtp --target <real model>` writes one)")
+    try:
+        return TargetRecord(**record), MtpConfig.from_config(data, str(file))
+    except TypeError as exc:
+        raise ModelLoadError(f"malformed {MTP_MODULES_KEY} in {file}: {exc}") from None
+
+
+def is_modules_folder(folder) -> bool:
+    """Whether ``folder`` holds MTP modules apart from their target (else: a model with modules of its own)."""
+    import json
+    from pathlib import Path
+
+    from specdec.models.mtp import MODULES_KEY
+
+    try:
+        return MODULES_KEY in json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False

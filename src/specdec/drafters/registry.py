@@ -74,7 +74,7 @@ def _early_exit(folder, options):
 
 def _mtp(folder, options):
     from specdec.drafters.mtp import MTP
-    return MTP(getattr(options, "mtp_depth", None))
+    return MTP(getattr(options, "mtp_depth", None), modules=folder)  # folder: modules trained on a frozen target
 
 
 REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (

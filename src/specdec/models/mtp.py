@@ -36,6 +36,7 @@ from specdec.models import kernels, llama
 from specdec.models.layers import DecoderLayer, RMSNorm
 
 DESIGNS = ("sequential", "parallel")
+MODULES_KEY = "specdec_mtp_target"   # config.json of a folder holding modules alone: the target they were trained on
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specdec.train import data
 
@@ -180,6 +181,9 @@ def sharegpt_text(tokenizer, count: int, max_len: int, seed: int, pad: int) -> S
         starts.append(start)
         if len(rows) == count:
             break
+    if not rows:
+        raise data.DataError(f"no train conversation opens with a user turn short enough for {max_len} tokens "
+                             "with 16 answer tokens after it: raise prefix_len + generated_len")
     return padded(rows, starts, pad)
 
 
@@ -453,6 +457,21 @@ def anchor_mask(valid: torch.Tensor, prompt_len, pairs: int, depth: int) -> torc
     return (index + 1 >= prompt_len) & (index + depth < lengths)
 
 
+def soft_cross_entropy(student_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """Mean over ``mask`` [B, T] of the cross-entropy from the target's distribution to the student's
+    (KL(target || student) plus the target's entropy, which does not depend on the student), at ``temperature``.
+
+    In the student's logits' dtype: bfloat16 under autocast, where the fused loss over a vocabulary of 49,152
+    takes 1.5 s for 4,096 positions on 2 cores against 9 s for a float32 KL."""
+    with torch.no_grad():
+        probs = torch.softmax(target_logits.float() / temperature, dim=-1).to(student_logits.dtype)   # [B, T, V]
+    with torch.autocast("cpu", enabled=False):
+        ce = F.cross_entropy((student_logits / temperature).flatten(0, 1), probs.flatten(0, 1), reduction="none")
+    weight = mask.flatten().float()
+    return (ce.float() * weight).sum() / weight.sum().clamp(min=1) * temperature**2
+
+
 def warn_if_useless(metrics: dict[str, float], key: str, log: Callable[[str], None], what: str) -> bool:
     """Say loudly when the predicted tau shows the drafter barely helps; returns whether it did. Without
     ``key`` (a run that measured fewer positions) the deepest chain it measured (``tau_k<j>``) decides."""
@@ -509,6 +528,24 @@ class DrafterRun:
                 "train_sequences": int(self.train.tokens.shape[0]), "heldout_tokens": self.held.num_tokens,
                 "features": ("computed once (bfloat16 forward), cached on disk" if self.source != "corpus"
                              else "computed on the fly by the frozen target (nothing cached but token ids)")}
+
+    def fit(self, net, objective, kind: str, salt: int, resume: bool, max_minutes: float | None, warn_key: str,
+              what: str):
+        """The shared loop over this run's batches (``objective``: loss and evaluate), then the weights rounded
+        to the exported dtype and evaluated once more: (loop result, final offline metrics, whether the
+        low-acceptance warning fired)."""
+        from specdec.train.config import config_to_dict
+        from specdec.train.loop import run_loop
+        from specdec.train.target import round_to_export_dtype_
+
+        run_config = {"kind": kind, kind: config_to_dict(self.config), "target": self.target.fingerprint()}
+        result = run_loop(model=net, config=self.config.optim, batch_fn=self.batch_fn(salt), loss_fn=objective.loss,
+                          tokens_in=lambda batch: int(batch[1].sum()), eval_fn=lambda m: objective.evaluate(m, self.held),
+                          ckpt_dir=self.ckpt_dir, run_config=run_config, resume=resume, max_minutes=max_minutes,
+                          desc=kind, log=self.log)
+        round_to_export_dtype_(net)
+        final = objective.evaluate(net, self.held)
+        return result, final, warn_if_useless(final, warn_key, self.log, what)
 
     def batch_fn(self, salt: int):
         """Batches of training sequences as a pure function of the step (resumable)."""

@@ -160,7 +160,7 @@ def export_model(model: torch.nn.Module, tokenizer_dir: Path, out_dir: Path, sum
         exported = exported.to(dtype)
         exported.config.dtype = dtype
         exported.save_pretrained(tmp, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             source = Path(tokenizer_dir) / name
             if source.is_file():
                 shutil.copyfile(source, tmp / name)

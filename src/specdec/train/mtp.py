@@ -1,0 +1,142 @@
+"""Train MTP modules on a frozen trunk (``specdec train mtp`` on any target whose tokenizer is not the zoo's).
+
+The zoo's MTP variant continues the whole target with its modules (selfspec.py). A real target stays
+as it is: only DeepSeek-V3-style sequential modules (models/mtp.py ``MtpNet``) learn, from the feature
+cache the target's other drafters share (module 1 reads the final-normed state the cache always keeps;
+the target's distributions are that state times the head). Module k at index i reads token i + k and
+the previous depth's output at i and is scored by soft cross-entropy to the target's distribution of
+token i + k + 1, module k weighted 0.8^(k-1). Modules start as copies of the target's last layer.
+
+The folder holds the modules alone (``model.layers.{L + k - 1}.*``, as DeepSeek-V3 names them), with
+the target's config.json entries that describe them and the target record; the ``mtp`` drafter reads it
+beside the unchanged target (``MTP(modules=DIR)``; bench: ``--drafters mtp``). Kept apart because the
+135M trunk would not fit the size budget of committed drafters, and need not: it is the target.
+
+The offline metric is exact for the first draft (module 1 from each anchor, on held-out greedy
+continuations): accept_1 and tau_k1. Deeper drafts reuse modules on their own outputs, which a
+teacher-forced pass cannot reproduce; ``specdec bench`` measures them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models import mtp
+from specdec.train import config as train_config
+from specdec.train.config import config_to_dict
+from specdec.train.features import (TINY_DATA, DataRecipe, acceptance_summary, anchor_mask, prepare_run, shifted,
+                                    soft_cross_entropy)
+from specdec.train.loop import OptimConfig
+
+@dataclass(frozen=True)
+class MtpShape:
+    depth: int = 1
+
+
+@dataclass(frozen=True)
+class MtpTrainConfig(DataRecipe):
+    shape: MtpShape = field(default_factory=MtpShape)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=1e-3, warmup_steps=20,
+                                                                   eval_every=75, ckpt_every_steps=20, bfloat16=True))
+    decay: float = 0.8
+
+
+PRESETS: dict[str, MtpTrainConfig] = {
+    # SmolLM2-135M-Instruct: one module (4.2M parameters) on the ShareGPT text and feature cache of EAGLE-1,
+    # Medusa and the draft model; sized for about 30 minutes on 2 cores.
+    "mtp-sharegpt": MtpTrainConfig(batch_size=8, train_sequences=1536, heldout_sequences=48, prefix_len=256,
+                                   generated_len=256, source="sharegpt"),
+    "tiny": MtpTrainConfig(shape=MtpShape(depth=2), optim=OptimConfig(steps=8, lr=3e-3, warmup_steps=2, eval_every=4,
+                                                                     ckpt_every_steps=4), **TINY_DATA),
+}
+
+
+def load_config(path: str | None, preset: str) -> MtpTrainConfig:
+    return train_config.load_config(MtpTrainConfig, PRESETS, path, preset, "MTP training")
+
+
+def config_from_dict(values: dict[str, Any]) -> MtpTrainConfig:
+    return train_config.config_from_dict(MtpTrainConfig, values, "MTP training")
+
+
+class Objective:
+    def __init__(self, config: MtpTrainConfig, frozen, final_layer: int):
+        self.config, self.frozen, self.layers = config, frozen, (final_layer,)
+
+    def outputs(self, net: mtp.MtpNet, tokens: torch.Tensor, final: torch.Tensor) -> list[torch.Tensor]:
+        """Module k's normed output at every index i [B, T, H] (predicting token i + k + 1)."""
+        batch, length = tokens.shape
+        positions = torch.arange(length)[None].expand(batch, -1)
+        previous, outs = final, []
+        for k, module in enumerate(net.modules_, 1):
+            following = shifted(tokens, k, length)                       # token i + k
+            previous = module(F.embedding(following, self.frozen.embed), previous, positions + k)
+            outs.append(previous)
+        return outs
+
+    def loss(self, net: mtp.MtpNet, batch) -> torch.Tensor:
+        tokens, valid = batch
+        final, logits = self.frozen.run(tokens, valid, self.layers)      # [B, T, H], [B, T, V]
+        length, total = tokens.shape[1], 0.0
+        for k, out in enumerate(self.outputs(net, tokens, final), 1):
+            target = shifted(logits, k, length)                          # the target's distribution of i + k + 1
+            mask = shifted(valid, k, length, False)
+            total = total + self.config.decay ** (k - 1) * soft_cross_entropy(out @ self.frozen.head.t(), target, mask)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, net: mtp.MtpNet, held) -> dict[str, float]:
+        net.eval()
+        accepted = []
+        for start in range(0, held.tokens.shape[0], 8):
+            rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
+            tokens, valid = held.batch(rows)
+            final, logits = self.frozen.run(tokens, valid, self.layers)
+            first = self.outputs(net, tokens, final)[0] @ self.frozen.head.t()
+            pairs = tokens.shape[1] - 1
+            drafts = first.argmax(-1)[:, :pairs]                         # from anchor t: token t + 2
+            truth = shifted(logits.argmax(-1), 1, pairs, -1)
+            anchors = anchor_mask(valid, held.prompt_len[rows], pairs, 1)
+            accepted.append((drafts == truth).long()[anchors])
+        net.train()
+        return acceptance_summary(torch.cat(accepted), 1)
+
+
+def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
+              resume: bool = False, max_minutes: float | None = None, log: Callable[[str], None] | None = None,
+              data_dir: Path | None = None) -> dict[str, Any]:
+    """Train (or resume) MTP modules for the frozen target in ``target_dir``; save them to ``out_dir``."""
+    from specdec.models.eagle import TargetRecord
+    from specdec.models.files import save_folder
+
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir)
+    config, target = run.config, run.target
+    shape = mtp.MtpConfig.of(target.config, "sequential", config.shape.depth)
+    torch.manual_seed(config.seed)
+    net = mtp.MtpNet(shape)
+    frozen = run.frozen((target.num_layers,))
+    if not resume:
+        net.init_from_main(frozen.model)
+    result, final, useless = run.fit(net, Objective(config, frozen, target.num_layers), "mtp", 43, resume,
+                                       max_minutes, "tau_k1", "the MTP modules")
+    summary = {
+        "kind": "mtp", "design": "sequential", "depth": shape.depth, "frozen_trunk": True,
+        "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(), **run.data_fields(),
+        "offline": {key: round(value, 4) for key, value in final.items()}, "low_acceptance_warning": useless,
+        "config": config_to_dict(config),
+    }
+    folder_config = {**json.loads((target_dir / "config.json").read_text()), **shape.config_entries(),
+                     mtp.MODULES_KEY: asdict(TargetRecord.of(target))}
+    save_folder(out_dir, folder_config, "model.safetensors", net.tensors(), torch.bfloat16,
+                extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    return summary
+
+
+__all__ = ["MtpTrainConfig", "PRESETS", "load_config", "train_mtp"]
