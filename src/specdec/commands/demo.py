@@ -84,6 +84,7 @@ def run_demo(args) -> int:
     from specdec.backends.target import load_target
     from specdec.commands.bench import format_table, run_bench, variant_engine
     from specdec.drafters import DraftModel
+    from specdec.drafters.mtp import is_modules_folder
     from specdec.drafters.registry import build
     from specdec.zoo import VARIANT_NAMES
 
@@ -97,9 +98,12 @@ def run_demo(args) -> int:
               f"{threads} thread{'s' if threads > 1 else ''}", file=sys.stderr)
         target = load_target(target_dir)
         draft = DraftModel(draft_dir) if draft_dir is not None else None
-        drafters = tuple((name, build(name, folder)) for name, folder in trained if name not in VARIANT_NAMES)
+        # A variant is a model of its own, run beside its own plain decoding; MTP modules trained beside a
+        # frozen real target draft for the target itself, like any drafter.
+        own = [(name, folder) for name, folder in trained if name in VARIANT_NAMES and not is_modules_folder(folder)]
+        drafters = tuple((name, build(name, folder)) for name, folder in trained if (name, folder) not in own)
         variants = tuple(variant_engine("early-exit" if name == "layerskip" else "mtp", folder, recompute=False)
-                         for name, folder in trained if name in VARIANT_NAMES)  # each beside its own plain decoding
+                         for name, folder in own)
         prompts = target.encode(texts)
         result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
                            progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),

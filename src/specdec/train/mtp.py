@@ -45,13 +45,18 @@ class MtpTrainConfig(DataRecipe):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=300, lr=1e-3, warmup_steps=20,
                                                                    eval_every=75, ckpt_every_steps=20, bfloat16=True))
     decay: float = 0.8
+    init_from_target: bool = True   # every module starts as a copy of the target's last layer and final norm
 
 
 PRESETS: dict[str, MtpTrainConfig] = {
     # SmolLM2-135M-Instruct: one module (4.2M parameters) on the ShareGPT text and feature cache of EAGLE-1,
-    # Medusa and the draft model; sized for about 30 minutes on 2 cores.
+    # Medusa and the draft model; sized for about 30 minutes on 2 cores. Started at random: after 12 steps
+    # its first draft was accepted 0.12 against 0.06 for a copy of the last layer (whose first loss is 21.7,
+    # against 14.9), and EAGLE-1, the same shape at random, reached 0.37 with this learning rate.
     "mtp-sharegpt": MtpTrainConfig(batch_size=8, train_sequences=1536, heldout_sequences=48, prefix_len=256,
-                                   generated_len=256, source="sharegpt"),
+                                   generated_len=256, source="sharegpt", init_from_target=False,
+                                   optim=OptimConfig(steps=300, lr=2e-3, warmup_steps=20, eval_every=75,
+                                                     ckpt_every_steps=20, bfloat16=True)),
     "tiny": MtpTrainConfig(shape=MtpShape(depth=2), optim=OptimConfig(steps=8, lr=3e-3, warmup_steps=2, eval_every=4,
                                                                      ckpt_every_steps=4), **TINY_DATA),
 }
@@ -122,10 +127,10 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     torch.manual_seed(config.seed)
     net = mtp.MtpNet(shape)
     frozen = run.frozen((target.num_layers,))
-    if not resume:
+    if config.init_from_target and not resume:
         net.init_from_main(frozen.model)
     result, final, useless = run.fit(net, Objective(config, frozen, target.num_layers), "mtp", 43, resume,
-                                       max_minutes, "tau_k1", "the MTP modules")
+                                       max_minutes, "tau_k1", "MTP")
     summary = {
         "kind": "mtp", "design": "sequential", "depth": shape.depth, "frozen_trunk": True,
         "parameters": sum(p.numel() for p in net.parameters()), **result.summary_fields(), **run.data_fields(),
