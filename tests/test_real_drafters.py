@@ -50,7 +50,7 @@ def prompts(real_dir):
 
 def test_every_trained_drafter_has_a_folder():
     assert REAL in REAL_MODELS
-    assert {f.name for f in FOLDERS} >= {"eagle", "eagle3", "medusa", "dflash", "dspark"}
+    assert {f.name for f in FOLDERS} >= {"draft", "eagle", "eagle3", "medusa", "dflash", "dspark", "mtp"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -80,7 +80,14 @@ def test_wrong_target_and_bad_folders_are_refused(real_dir, tmp_path, capsys):
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError):
         Eagle(truncated)
-    for draft, name in ((truncated, "eagle3"), (folder, "dflash"), (tmp_path / "missing", "eagle3")):
+    draft_model = tmp_path / "draft"  # the draft model and the MTP modules, damaged the same way
+    shutil.copytree(data_dir() / REAL / "draft", draft_model)
+    (draft_model / "model.safetensors").write_bytes((draft_model / "model.safetensors").read_bytes()[:1000])
+    modules = tmp_path / "mtp"
+    shutil.copytree(data_dir() / REAL / "mtp", modules)
+    (modules / "model.safetensors").write_bytes((modules / "model.safetensors").read_bytes()[:1000])
+    for draft, name in ((truncated, "eagle3"), (folder, "dflash"), (tmp_path / "missing", "eagle3"),
+                        (draft_model, "draft-model"), (modules, "mtp"), (folder, "mtp")):
         code = main(["generate", "--target", REAL, "--drafter", name, "--draft", str(draft), "--prompt", "hi",
                      "--max-new-tokens", "4"])
         err = capsys.readouterr().err.strip().splitlines()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 from specdec.models import kernels
 from specdec.sampling import probabilities, sample
@@ -45,6 +45,7 @@ class MTP:
         self.modules = None if modules is None else str(modules)
         if self.modules is not None:
             self._record, self._config = modules_record(self.modules)
+            self.default_draft_tokens, _ = recorded_defaults(self.modules)  # bench --record's fastest k
         self.features = FeatureSpec()
         self._loaded: dict = {}
 
