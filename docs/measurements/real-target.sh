@@ -91,3 +91,20 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   -k 2 4 --drafters eagle eagle3 medusa dflash dspark --block-sizes 8 --policies confidence --no-transformers \
   --threads 2 --record --output $OUT/real-bench-bfloat16-s6.json
 python docs/measurements/forward_ab.py 2 bfloat16 START.so smollm2-135m 1,2,4,5,8,16   # START.so: the session's first build
+
+# Seventh session (AMD EPYC family 25 model 17, Zen 4; 2 threads): the draft model and MTP on the same cache
+specdec train distill --target smollm2-135m --out runs/draft/out --ckpt-dir runs/draft/ckpt --data-dir runs/data \
+  --threads 2 --max-minutes 50
+specdec train mtp --target smollm2-135m --out runs/mtp/out --ckpt-dir runs/mtp/ckpt --data-dir runs/data \
+  --threads 2 --max-minutes 32
+cp runs/draft/out/* src/specdec/zoo/data/smollm2-135m/draft/; cp runs/mtp/out/* src/specdec/zoo/data/smollm2-135m/mtp/
+D=src/specdec/zoo/data/smollm2-135m/draft
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --draft $D --drafters eagle eagle3 medusa dflash dspark mtp --block-sizes 8 --no-transformers \
+  --threads 2 --record --output $OUT/real-bench-bfloat16-s7.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 16 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-s7.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 4 --draft $D --drafters eagle3 dflash mtp --block-sizes 8 --threads 2 --output $OUT/real-bench-float32-s7.json
+time specdec demo
