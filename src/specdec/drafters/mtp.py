@@ -61,12 +61,14 @@ class MTP:
         from specdec.models import mtp
 
         native = getattr(target.backend, "name", "") == "native"
-        if self.modules is not None:
-            return self._load_modules(target, native)
-        if target.path is None:
+        if self.modules is not None:  # modules kept apart: read from their folder, checked against the record
+            folder, config = self.modules, self._config
+            self._check_record(target, native)
+        elif target.path is None:
             raise UnsupportedModelError("MTP drafting reads the modules from the target's folder; load the target "
                                         "with specdec.load_target(DIR)")
-        config = mtp.MtpConfig.from_config(target.config, f"{target.path}/config.json")
+        else:
+            folder, config = target.path, mtp.MtpConfig.from_config(target.config, f"{target.path}/config.json")
         if config is None and not hf.mtp_layer_count(target.config):
             raise DrafterMismatchError(f"{target.name} has no MTP modules or heads (its config.json declares "
                                        f"neither num_nextn_predict_layers nor specdec_mtp): use another drafter, "
@@ -78,7 +80,7 @@ class MTP:
                 modules = hf.mtp_model(target.model)
                 depth = self._depth(len(modules.layers), target)
                 return "sequential", depth, modules
-        net = mtp.read_mtp(target.path, self._depth(config.depth, target))
+        net = mtp.read_mtp(folder, self._depth(config.depth, target))
         if native:
             from specdec.drafters.eagle import require_kernels
 
@@ -87,26 +89,18 @@ class MTP:
             return config.design, runtime.depth, runtime
         return config.design, net.config.depth, net.to(target.backend.dtype)
 
-    def _load_modules(self, target, native: bool):
-        """Modules of a folder of their own, for the unchanged ``target``: checked against the record."""
+    def _check_record(self, target, native: bool) -> None:
+        """Modules kept apart fit ``target`` (else one line) and run natively; a warning when only the
+        target's weights differ from those they were trained beside."""
         import warnings
-
-        from specdec.models import mtp
 
         if not native:
             raise UnsupportedModelError(f"MTP modules kept apart from the target ({self.modules}) run on the native "
                                         "backend; load the target with backend='native'")
-        config = self._config
-        warning = self._record.check(target, f"the MTP modules in {self.modules}", config.hidden_size,
+        warning = self._record.check(target, f"the MTP modules in {self.modules}", self._config.hidden_size,
                                      target.vocab_size)
         if warning:
-            warnings.warn(warning, stacklevel=3)
-        net = mtp.read_mtp(self.modules, self._depth(config.depth, target))
-        from specdec.drafters.eagle import require_kernels
-
-        require_kernels(target, "MTP modules")
-        runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype)
-        return config.design, runtime.depth, runtime
+            warnings.warn(warning, stacklevel=4)
 
     def _depth(self, available: int, target) -> int:
         if self.depth is None:
