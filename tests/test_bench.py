@@ -57,3 +57,31 @@ def test_half_precision_bench_fails_only_on_speculation_errors(model_dirs):
     assert not [m for m in result["mismatches"] if m["method"].startswith("specdec")]  # bit for bit lossless
     assert result["implementations_compared_exactly"] is False  # bf16: transformers rounds its own way
     assert result["outputs_identical"] == (not result["mismatches"])
+
+
+def test_recorded_runs_each_drafter_once_at_its_folders_fastest_setting(targets, model_dirs):
+    """The demo's form: the draft model at the k its folder records, transformers' plain decoding only."""
+    from specdec.commands.bench import own_setting
+    from specdec.drafters.base import TreeConfig
+
+    target = targets["llama"]
+    prompts = target.encode(["x = x + 1\nx = x + 1\n"])
+    draft = DraftModel(model_dirs["llama"])
+    draft.default_draft_tokens = 3  # what `bench --record` leaves in a folder, read at load
+    result = run_bench(target, prompts, draft=draft, ks=[2, 4], max_new_tokens=8, progress=False,
+                       recorded=True, reference_families=())
+    labels = [row["method"] for row in result["rows"]]
+    assert labels == ["specdec plain", "specdec prompt-lookup k=2", "specdec prompt-lookup k=4",
+                      "specdec draft-model k=3", "transformers plain"]
+    assert result["outputs_identical"]
+
+    class Chain:
+        name, default_draft_tokens, default_tree = "eagle3", None, None
+
+    tree = TreeConfig(4, 2, 6)
+    chain, treed = Chain(), Chain()
+    treed.default_tree = tree
+    assert own_setting(chain, [2, 4]) == ([4], ())  # nothing recorded: the largest k asked for
+    chain.default_draft_tokens = 2
+    assert own_setting(chain, [2, 4]) == ([2], ())
+    assert own_setting(treed, [2, 4]) == ([], (tree,))

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -29,6 +29,7 @@ from specdec.sampling import SamplingConfig
 from specdec.backends.target import Target
 
 PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH, DSPARK = "plain", "draft-model", "prompt-lookup", "dflash", "dspark"
+WARM_UP_TOKENS = 16  # each method's untimed first run
 BLOCK_DRAFTERS = (DFLASH, DSPARK)  # chains of one block per step: k follows --block-sizes
 EARLY_EXIT, MTP = "early-exit", "mtp"
 
@@ -115,8 +116,10 @@ def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_
         chooser = parse_policy(policy)  # one per method: it profiles once and keeps learning
         note = f"{note} {policy}".strip()
 
-    def run(prompts):
-        out = generate_ids(engine.target, prompts, drafter, config, chooser)
+    def run(prompts, max_new_tokens=None):
+        out = generate_ids(engine.target, prompts, drafter,
+                           config if max_new_tokens is None else replace(config, max_new_tokens=max_new_tokens),
+                           chooser)
         return out.token_ids, out.stats
     return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note,
                   policy=policy)
@@ -165,7 +168,7 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
         extra = {"use_mtp": True}
     eos = list(target.eos_token_ids) or None
 
-    def run(prompts):
+    def run(prompts, max_tokens=None):
         (prompt,) = prompts
         if family == DRAFT_MODEL:
             # transformers reads these from the assistant's config, shared by every k: set them per run.
@@ -179,7 +182,7 @@ def transformers_method(target: Target, model, family: str, draft_model, k: int 
         before = counter.count
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                        max_new_tokens=max_new_tokens, pad_token_id=target.pad_token_id,
+                                        max_new_tokens=max_tokens or max_new_tokens, pad_token_id=target.pad_token_id,
                                         eos_token_id=eos, **extra)
         tokens = out[0, len(prompt):].tolist()
         if eos is not None:  # transformers pads nothing at batch 1, but cut after EOS to be sure
@@ -202,10 +205,14 @@ def transformers_model(model: Target | DraftModel):
 
 def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, batch_sizes: list[int],
                   max_ngram: int, min_ngram: int, reference: tuple | None, trees: tuple = (),
-                  block_sizes: tuple = (), policies: tuple = ()):
+                  block_sizes: tuple = (), policies: tuple = (), recorded: bool = False,
+                  reference_families: tuple = (DRAFT_MODEL, PROMPT_LOOKUP, DFLASH)):
     """specdec's methods on every engine; transformers' on ``reference`` = (model, draft model or None),
     and transformers' DFlash on the same weights when a DFlash drafter is measured. ``policies``: each
-    chain drafter also under each policy (schedule.parse_policy's texts), up to its largest k."""
+    chain drafter also under each policy (schedule.parse_policy's texts), up to its largest k.
+    ``recorded``: the draft model and the trained drafters each at the one setting their folders record
+    (own_setting) instead of every k and tree. ``reference_families``: transformers' methods beside its
+    plain decoding."""
     methods = []
     lookup = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
     several = len([e for e in engines if not e.variant]) > 1
@@ -216,36 +223,40 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                 methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
                 methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies)
             continue
+        draft_ks, draft_trees = own_setting(engine.draft, ks) if recorded and engine.draft else (ks, trees)
         for batch_size in batch_sizes:
             methods.append(specdec_method(engine, PLAIN, NoDraft(), None, max_new_tokens, batch_size, tag))
             for k in ks:
-                if engine.draft is not None:
-                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size,
-                                                  tag))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
-            if engine.draft is not None:  # up to the largest k, as many drafts per step as each policy chooses
-                methods += policy_methods(engine, DRAFT_MODEL, engine.draft, max(ks), policies, max_new_tokens,
-                                          batch_size, tag)
+            if engine.draft is not None:
+                methods += [specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size, tag)
+                            for k in draft_ks]
+                # up to the largest k, as many drafts per step as each policy chooses
+                methods += policy_methods(engine, DRAFT_MODEL, engine.draft, max(draft_ks or ks), policies,
+                                          max_new_tokens, batch_size, tag)
             methods += policy_methods(engine, PROMPT_LOOKUP, lookup, max(ks), policies, max_new_tokens, batch_size, tag)
             for tree in trees:
-                if engine.draft is not None:
-                    methods.append(specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens,
-                                                  batch_size, tag, tree))
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, None, max_new_tokens, batch_size, tag,
                                               tree))
-            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies)
+            if engine.draft is not None:
+                methods += [specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens, batch_size, tag,
+                                           tree) for tree in draft_trees]
+            methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies,
+                                       recorded)
     if reference is not None:
         model, draft_model = reference
         target = engines[0].target
         counter = ForwardCounter(model)
         methods.append(transformers_method(target, model, PLAIN, None, None, max_new_tokens, max_ngram, counter))
         for k in ks:
-            if draft_model is not None:
+            if draft_model is not None and DRAFT_MODEL in reference_families:
                 methods.append(transformers_method(target, model, DRAFT_MODEL, draft_model, k, max_new_tokens,
                                                    max_ngram, counter))
-            methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
-                                               counter))
+            if PROMPT_LOOKUP in reference_families:
+                methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
+                                                   counter))
         drafter = next((d for n, d in engines[0].drafters if n == DFLASH), None)  # the first DFlash named
+        drafter = drafter if DFLASH in reference_families else None
         if drafter is not None:
             from specdec.models.dflash import hf_assistant
 
@@ -308,10 +319,23 @@ def drafter_note(engine: Engine, name: str, drafter) -> str:
     return f"({names[index]})" if names.count(names[index]) == 1 else f"({names[index]} #{index + 1})"
 
 
+def own_setting(drafter, ks) -> tuple[list[int], tuple]:
+    """(chain ks, trees) of the one setting ``drafter`` records as its fastest (``bench --record``): its
+    tree when it records one, else its k (DFlash, DSpark: their block's; none recorded: the largest of
+    ``ks``)."""
+    tree = getattr(drafter, "default_tree", None)
+    if tree is not None:
+        return [], (tree,)
+    if drafter.name in BLOCK_DRAFTERS:
+        return [drafter.default_draft_tokens], ()
+    return [getattr(drafter, "default_draft_tokens", None) or max(ks)], ()
+
+
 def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: int, tag: str,
-                    block_sizes=(), policies=()) -> list:
+                    block_sizes=(), policies=(), recorded: bool = False) -> list:
     """The methods of an engine's trained drafters, as the registry says each drafts (DFlash, DSpark: one
-    chain per block size, block_ks), chains also under each of ``policies`` at the largest k."""
+    chain per block size, block_ks), chains also under each of ``policies`` at the largest k.
+    ``recorded``: each drafter at the one setting its folder records instead (own_setting)."""
     from specdec.drafters.registry import REGISTRY
 
     methods = []
@@ -322,14 +346,17 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             methods.append(specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, note=note))
             continue
         chain_ks = block_ks(drafter, block_sizes) if name in BLOCK_DRAFTERS else ks
+        drafter_trees = trees if entry.trees else ()
+        if recorded:
+            chain_ks, drafter_trees = own_setting(drafter, ks)
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
-        methods += policy_methods(engine, name, drafter, max(chain_ks), policies, max_new_tokens, batch_size, tag,
-                                  note)
-        if entry.trees:
-            methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
-                        for tree in trees]
+        if chain_ks:
+            methods += policy_methods(engine, name, drafter, max(chain_ks), policies, max_new_tokens, batch_size,
+                                      tag, note)
+        methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
+                    for tree in drafter_trees]
     return methods
 
 
@@ -345,7 +372,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               min_ngram: int = 1, with_transformers: bool = True, progress: bool = True,
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
               trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = (),
-              policies: tuple = (), sampling: SamplingConfig | None = None) -> dict:
+              policies: tuple = (), sampling: SamplingConfig | None = None, recorded: bool = False,
+              reference_families: tuple = (DRAFT_MODEL, PROMPT_LOOKUP, DFLASH)) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
@@ -356,8 +384,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     policy (schedule.parse_policy's texts: load-aware, confidence, conf-min:X, ...) that can drive it,
     up to its largest k. ``sampling``: every specdec method samples (the table then reports tau,
     acceptance and speed; the outputs are draws, compared with nothing, and transformers is not run).
+    ``recorded``, ``reference_families``: as build_methods takes them.
     """
-    from dataclasses import replace
 
     sampling = sampling or SamplingConfig()
     if not sampling.greedy:
@@ -375,14 +403,14 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     if any(b < 1 for b in block_sizes):
         raise InvalidArgumentError("every block size must be >= 1 (DFlash: >= 2, the pending token and a draft)")
     methods = build_methods(engines, list(ks), max_new_tokens, list(batch_sizes), max_ngram, min_ngram, reference,
-                            tuple(trees), tuple(block_sizes), tuple(policies))
+                            tuple(trees), tuple(block_sizes), tuple(policies), recorded, tuple(reference_families))
     idle = [policy for policy in policies if not any(m.policy == policy for m in methods)]
     if idle:
         raise InvalidArgumentError(f"policy {idle[0]} can drive none of the drafters measured (the confidence "
                                    "policies need a drafter with a confidence head: dspark)")
-    for method in methods:  # warm-up, untimed
-        method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else
-                   prompts[: method.batch_size])
+    for method in methods:  # warm-up, untimed and short
+        method.run(prompts[: method.batch_size][:1] if method.impl == "transformers" else prompts[: method.batch_size],
+                   min(WARM_UP_TOKENS, max_new_tokens))
 
     results = []  # (method, prompt index, output) of every run
     jobs = [(m, start) for m in methods for start in range(0, len(prompts), m.batch_size)]

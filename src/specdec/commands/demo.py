@@ -105,9 +105,14 @@ def run_demo(args) -> int:
         variants = tuple(variant_engine("early-exit" if name == "layerskip" else "mtp", folder, recompute=False)
                          for name, folder in own)
         prompts = target.encode(texts)
-        result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
-                           progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),
-                           block_sizes=DEMO_BLOCKS, more_engines=variants)
+        if args.zoo:
+            result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
+                               progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),
+                               block_sizes=DEMO_BLOCKS, more_engines=variants)
+        else:  # each drafter once, at the setting its folder records as fastest; transformers' plain decoding
+            result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
+                               progress=False, drafters=drafters, more_engines=variants, recorded=True,
+                               reference_families=())
     best = fastest(result)
     verdict = "greedy outputs identical to plain decoding" if result["outputs_identical"] else "OUTPUTS DIFFER"
     if best is not None:
