@@ -244,13 +244,21 @@ def test_scheduler_stops_drafting_after_empty_cuts_and_probes_again():
     policy = prepared(ConfidenceScheduler(table=flat_table(1.0, 5.0, 9.0, 13.0, 17.0, sizes=(1, 2, 4, 8)),
                                           patience=3, explore=4))
     group, choices = stub_group(4), []
-    for step in range(14):
+    for step in range(40):
         k = policy.draft_tokens(None, group)
         choices.append(k)
         if k:
             assert not bool(policy.cut(None, group, random_proposal(4, k, step)).lengths.any())
-    # Three empty cuts, then plain steps with a probe every fifth step.
-    assert choices == [4, 4, 4, 0, 0, 0, 0, 4, 0, 0, 0, 0, 4, 0]
+    # Three empty cuts, then plain steps with a probe after 4 of them; each losing probe doubles the wait.
+    probes = [step for step, k in enumerate(choices) if k]
+    assert probes == [0, 1, 2, 7, 16, 33], choices
+    # A probe that wins (confident drafts, verification that costs nothing more) restores the first wait.
+    policy.table = flat_table(1.0, 1.0, 1.0, 1.0, 1.0, sizes=(1, 2, 4, 8))
+    while not policy.draft_tokens(None, group):
+        pass
+    policy.cut(None, group, Proposal(torch.randint(0, 300, (4, 4)), torch.full((4,), 4),
+                                     confidence=torch.full((4, 4), 0.95)))
+    assert (policy.losing, policy.wait) == (0, 4)
 
 
 def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_gain():

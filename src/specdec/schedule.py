@@ -257,30 +257,35 @@ class ConfidenceScheduler(LoadAware):
     (the kept drafts' survivals, the drafting spent included) is below a plain step's, an empty cut
     among them. Then steps decode plainly (no drafting cost), drafting again once every ``explore``
     steps to look. The expectation reads confidences and costs only, never whether a draft was
-    right, so stopping stays lossless too.
+    right, so stopping stays lossless too. A probe costs a whole drafting pass, more than a plain step
+    under load: each probe that still loses doubles the wait before the next (up to ``longest_wait``
+    steps), and one that wins restores ``explore``.
     """
 
     name = "confidence"
     wants_counts = False  # the drafter's confidence replaces the acceptance observed per position
     needs_confidence = True
 
-    def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, **options):
+    def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, longest_wait: int = 256,
+                 **options):
         super().__init__(max_draft_tokens, **options)
-        self.patience = patience
+        self.patience, self.longest_wait = patience, longest_wait
         self.losing = 0  # steps in a row whose expected rate, drafting included, was below plain decoding's
+        self.wait = self.explore  # plain steps before the next probe
+        self.probing = False
 
     def prepare(self, engine) -> None:
         require_confidence_head(engine, self.name)
         super().prepare(engine)
 
     def draft_tokens(self, engine, group) -> int:
-        k = self.k_max
+        k, self.probing = self.k_max, False
         if self.losing >= self.patience:
             self.undrafted += 1
-            if self.undrafted <= self.explore:
+            if self.undrafted <= self.wait:
                 k = 0
             else:  # probe: draft once to see whether the confidences came back
-                self.undrafted = 0
+                self.undrafted, self.probing = 0, True
         self.last_choice = k
         return k
 
@@ -296,6 +301,8 @@ class ConfidenceScheduler(LoadAware):
         expected = (rows + float((survival * kept).sum())) / float(costs[int(lengths.max()) if rows else 0])
         plain = rows / (self.verify_seconds(rows, 1) + self.nearest(self.overhead[False], rows))
         self.losing = 0 if expected > plain else self.losing + 1
+        if self.probing:
+            self.wait = self.explore if not self.losing else min(2 * self.wait, self.longest_wait)
         return keep_prefixes(group, proposal, lengths)
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
