@@ -18,6 +18,7 @@ import specdec
 from specdec import TreeConfig
 from specdec.decode import committed_features
 from specdec.drafters import Eagle, Medusa
+from specdec.drafters.base import DRAFT_VOCAB_FILE
 from specdec.errors import DrafterMismatchError, ModelLoadError, TargetMismatchWarning
 from specdec.models import eagle, medusa
 from specdec.sampling import SamplingConfig
@@ -42,6 +43,10 @@ def random_drafters(target, root, seed=0):
         if version == 3:
             net.set_draft_vocab(torch.randperm(target.vocab_size)[: target.vocab_size // 2].sort().values)
         dirs[config.name] = eagle.save(net, root / config.name)
+    # EAGLE-1 drafting from half the target's head (specdec train draft-vocab writes such a file)
+    dirs["eagle-vocab"] = eagle.save(eagle.load_net(dirs["eagle"]), root / "eagle-vocab")
+    half = torch.randperm(target.vocab_size)[: target.vocab_size // 2].sort().values
+    (root / "eagle-vocab" / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": half.tolist()}))
     record = eagle.TargetRecord.of(target)
     heads = medusa.MedusaHeads(medusa.MedusaConfig(3, 1, int(target.config.hidden_size), target.vocab_size,
                                                    ((0,), (1,), (0, 0), (0, 1), (0, 0, 0)), record))
@@ -70,7 +75,8 @@ def drafter_dirs(model_dirs, tmp_path_factory):
 
 
 def all_drafters(dirs):
-    return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Medusa(dirs["medusa"]), Medusa(dirs["medusa-shared"])]
+    return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Eagle(dirs["eagle-vocab"]), Medusa(dirs["medusa"]),
+            Medusa(dirs["medusa-shared"])]
 
 
 def settings_for(drafter, supports_trees=True):
@@ -125,6 +131,7 @@ def test_trained_zoo_drafters_equal_plain_decoding():
 @pytest.mark.parametrize("kind,temperature,top_k,top_p", [
     ("eagle3", 1.0, 6, None),
     ("eagle", 1.2, 5, 0.95),
+    ("eagle-vocab", 1.2, 5, 0.95),
     ("eagle3-tree", 1.0, 6, None),
     ("medusa", 1.0, 6, None),
     ("medusa-shared", 1.0, 6, None),
@@ -318,3 +325,41 @@ def test_eagle3_with_one_fused_layer_still_projects_the_targets_features(model_d
     drafter_dir = eagle.save(net, model_dirs["llama-draft"].parent / "one-layer-eagle3")
     assert specdec.generate(target, prompts, drafter=Eagle(drafter_dir), max_new_tokens=12).token_ids == \
         plain(target, prompts, 12)
+
+
+def test_eagle1_drafts_from_its_draft_vocabulary_only(drafter_dirs, model_dirs, tmp_path):
+    """An EAGLE-1 folder with draft_vocab.json computes only those rows of the target's head, drafts only
+    those tokens (checked above: still exact), ignores the file when asked, and refuses a damaged one."""
+    import shutil
+
+    from specdec.decode import GenerationConfig
+    from specdec.engine import generate_ids
+
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    folder = drafter_dirs["llama"]["eagle-vocab"]
+    ids = torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["ids"])
+    drafter = Eagle(folder)
+    runtime = drafter.runtime(target)
+    assert torch.equal(runtime.draft_ids, ids) and runtime.logits(torch.zeros(1, int(target.config.hidden_size))).shape[-1] == len(ids)
+    assert Eagle(folder, draft_vocab=False).runtime(target).draft_ids is None
+
+    proposed = []
+
+    class Spy:
+        name, features = drafter.name, drafter.features
+
+        def start(self, context, seqs):
+            session = drafter.start(context, seqs)
+            propose = session.propose
+            session.propose = lambda s, k: proposed.append(propose(s, k)) or proposed[-1]
+            return session
+
+    generate_ids(target, target.encode(PROMPTS[:2]), Spy(), GenerationConfig(num_draft_tokens=3, max_new_tokens=12))
+    drafted = torch.cat([p.tokens.flatten() for p in proposed])
+    assert drafted.numel() and bool(torch.isin(drafted, ids).all())
+
+    damaged = shutil.copytree(folder, tmp_path / "damaged")
+    for text in ("{\"ids\": [3, 2]}", "{\"ids\": [1, 100000]}", "not json"):
+        (damaged / DRAFT_VOCAB_FILE).write_text(text)
+        with pytest.raises(DrafterMismatchError, match="draft"):
+            Eagle(damaged)

@@ -473,6 +473,27 @@ def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, 
     for k in (1, 2, 4):
         out = specdec.generate(target, ids, drafter=MTP(modules=tmp_path / "out"), num_draft_tokens=k, max_new_tokens=16)
         assert out.token_ids == plain.token_ids, k
+    # Drafting from the most frequent training tokens only (specdec train draft-vocab): still exact, and
+    # every draft one of them; a folder of another method is refused in one line.
+    size = target.vocab_size // 4
+    assert main(["train", "draft-vocab", "--drafter", str(tmp_path / "out"), "--target", str(chat_dir),
+                 "--size", str(size), "--conversations", "16"]) == 0
+    record = json.loads((tmp_path / "out" / "draft_vocab.json").read_text())
+    assert len(record["ids"]) == record["size"] == size and 0.5 < record["coverage"] <= 1.0
+    restricted = MTP(modules=tmp_path / "out")
+    runtime = restricted.modules_for(target)[2]
+    assert runtime.draft_ids.tolist() == record["ids"]
+    for k in (1, 3):
+        out = specdec.generate(target, ids, drafter=restricted, num_draft_tokens=k, max_new_tokens=16)
+        assert out.token_ids == plain.token_ids, k
+    assert main(["train", "draft-vocab", "--drafter", str(chat_dir), "--target", str(chat_dir)]) == 2
+    # Sampling from the restricted drafts keeps the target's distribution.
+    from test_exact_generation import sampled_pairs, sampling_case
+    from test_sampling import P_VALUE, chi_square_p
+
+    sampling = specdec.SamplingConfig(1.0, 6, None)
+    small, prompt, exact = sampling_case(chat_dir, sampling, text="def item3(x):")
+    assert chi_square_p(sampled_pairs(small, prompt, MTP(modules=tmp_path / "out"), sampling), exact) > P_VALUE
     with pytest.raises(DrafterMismatchError):
         specdec.generate(load_target(zoo_path("target")), [[5, 6, 7]], drafter=MTP(modules=tmp_path / "out"),
                          max_new_tokens=4)

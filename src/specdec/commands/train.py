@@ -203,6 +203,15 @@ def cmd_train_evaluate(args) -> int:
     return 0
 
 
+def cmd_train_draft_vocab(args) -> int:
+    """``specdec train draft-vocab``: restrict EAGLE-1 or MTP modules to the most frequent training tokens."""
+    from specdec.backends.target import resolve_model
+    from specdec.train.features import write_draft_vocabulary
+
+    write_draft_vocabulary(args.drafter, Path(resolve_model(args.target)), args.size, args.conversations)
+    return 0
+
+
 def cmd_train_export(args) -> int:
     """``specdec train export``: a DFlash folder as transformers' own DFlash assistant."""
     from specdec.backends import hf
@@ -325,6 +334,16 @@ def add_commands(subparsers) -> None:
                    help="sequential: DeepSeek-V3 modules (default); parallel: independent heads on a shared trunk")
     p.add_argument("--depth", type=int, default=None, help="modules or heads, each one token further (default 3)")
     p.set_defaults(func=cmd_train_selfspec)
+
+    p = train_sub.add_parser("draft-vocab", help="draft from the most frequent training tokens only: a drafter that "
+                                                 "reads the target's head (EAGLE-1, MTP modules kept apart) then "
+                                                 "computes that many rows of it per draft")
+    p.add_argument("--drafter", required=True, type=Path, help="the drafter folder (gets draft_vocab.json)")
+    p.add_argument("--target", required=True, type=Path, help="the target it drafts for (folder or name)")
+    p.add_argument("--size", type=int, default=8192, help="tokens kept (default 8192)")
+    p.add_argument("--conversations", type=int, default=1536,
+                   help="ShareGPT train conversations counted (default 1536: the *-sharegpt presets' train set)")
+    p.set_defaults(func=cmd_train_draft_vocab)
 
     p = train_sub.add_parser("evaluate", help="the offline predicted tau of a trained Medusa, EAGLE or DFlash folder")
     p.add_argument("--drafter", required=True, type=Path, help="the drafter folder")

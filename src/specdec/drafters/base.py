@@ -176,3 +176,29 @@ def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
         return None, None
     tree = best.get("tree")
     return best.get("num_draft_tokens"), TreeConfig(*tree) if tree else None
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a drafter that reads the target's head: the rows it drafts from
+
+
+def read_draft_vocabulary(folder: str, vocab: int) -> torch.Tensor | None:
+    """The target ids a drafter folder restricts its drafts to (``specdec draft-vocab``), sorted; None
+    when it keeps the whole vocabulary. A damaged file is one line (DrafterMismatchError)."""
+    import json
+    import os
+
+    from specdec.errors import DrafterMismatchError
+
+    path = os.path.join(folder, DRAFT_VOCAB_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            ids = torch.tensor(json.load(handle)["ids"], dtype=torch.long)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise DrafterMismatchError(f"{path}: not a draft vocabulary ({error})") from None
+    if ids.dim() != 1 or not ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= vocab \
+            or not bool((ids[1:] > ids[:-1]).all()):
+        raise DrafterMismatchError(f"{path}: the ids must be distinct, sorted and within the target's "
+                                   f"vocabulary of {vocab}")
+    return ids

@@ -19,7 +19,8 @@ from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
+from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, read_draft_vocabulary,
+                                   recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
 
 
@@ -29,10 +30,15 @@ class Eagle:
     ``version``: refuse a folder of the other version (1 or 3); None accepts either.
     """
 
-    def __init__(self, path: str | os.PathLike, version: int | None = None):
+    def __init__(self, path: str | os.PathLike, version: int | None = None, draft_vocab: bool = True):
+        """``draft_vocab``: EAGLE-1 drafts from the folder's draft vocabulary (``specdec draft-vocab``) when
+        it has one; False: from the target's whole head."""
         self.path = str(path)
         self.net = eagle.load_net(path, expect_version=version)
         self.config = self.net.config
+        self.vocabulary = None
+        if self.config.version == 1 and draft_vocab:
+            self.vocabulary = read_draft_vocabulary(self.path, self.config.vocab_size)
         self.name = self.config.name
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True,
                                     head=self.config.version == 1)
@@ -53,7 +59,7 @@ class Eagle:
         if key not in self._runtimes:
             require_kernels(target, "EAGLE drafters")
             self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(), target, dtype,
-                                                      llama.drafter_qtype(target))}
+                                                      llama.drafter_qtype(target), self.vocabulary)}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
+from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, read_draft_vocabulary,
+                                   recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 from specdec.models import kernels
 from specdec.sampling import probabilities, sample
@@ -85,7 +86,9 @@ class MTP:
             from specdec.drafters.eagle import require_kernels
 
             require_kernels(target, "MTP modules")
-            runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype)
+            vocabulary = None if self.modules is None else read_draft_vocabulary(self.modules, target.vocab_size)
+            runtime = mtp.MtpRuntime(net, target.input_embeddings(), target.output_head(), target.backend.dtype,
+                                     vocabulary)
             return config.design, runtime.depth, runtime
         return config.design, net.config.depth, net.to(target.backend.dtype)
 
@@ -127,11 +130,17 @@ class Drafting:
 
     def __init__(self, context: DecodeContext):
         self.sampling, self.generator = context.sampling, context.generator
-        self.pad = context.target.pad_token_id
+        self.pad, self.vocab = context.target.pad_token_id, context.target.vocab_size
 
-    def next(self, logits: torch.Tensor):
+    def next(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
+        """``ids``: the target id of each logit's slot (a draft vocabulary), None: the whole vocabulary."""
         if self.sampling.greedy:
-            return kernels.argmax(logits), None
+            slot = kernels.argmax(logits)
+            return (slot if ids is None else ids[slot]), None
+        if ids is not None:  # a distribution over the whole vocabulary, zero outside the draft vocabulary
+            full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
+            full[..., ids] = logits.float()
+            logits = full
         probs = probabilities(logits.float(), self.sampling)
         return sample(probs, self.generator), probs
 
@@ -196,7 +205,7 @@ class NativeSequential(NativeModules):
         runtime = self.runtime
         self.base = [cache.lengths.clone() for cache in self.caches]
         drafts, dists = [], []
-        token, probs = self.next(runtime.logits(0, self.last[0]))
+        token, probs = self.next(runtime.logits(0, self.last[0]), runtime.draft_ids)
         drafts.append(token)
         dists.append(probs)
         # Module i drafts at slots n + 1 - i .. n (n: the last committed position): their tokens are
@@ -205,14 +214,14 @@ class NativeSequential(NativeModules):
         for index in range(1, min(k, runtime.depth)):
             previous = torch.cat([self.last[index - 1][:, None], outputs], dim=1)  # [B, index, H]
             outputs = self.caches[index].run(torch.stack(drafts, dim=1), previous)
-            token, probs = self.next(runtime.logits(index, outputs[:, -1]))
+            token, probs = self.next(runtime.logits(index, outputs[:, -1]), runtime.draft_ids)
             drafts.append(token)
             dists.append(probs)
         final = self.caches[runtime.depth - 1]
         out = outputs[:, -1] if outputs.shape[1] else self.last[runtime.depth - 1]
         while len(drafts) < k:  # past the last module: reuse it, fed its own output
             out = final.run(drafts[-1][:, None], out[:, None])[:, -1]
-            token, probs = self.next(runtime.logits(runtime.depth - 1, out))
+            token, probs = self.next(runtime.logits(runtime.depth - 1, out), runtime.draft_ids)
             drafts.append(token)
             dists.append(probs)
         return self.proposal(drafts, dists)
@@ -234,7 +243,7 @@ class NativeParallel(NativeModules):
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         drafts, dists = [], []
         for index in range(min(k, self.runtime.depth)):
-            token, probs = self.next(self.runtime.logits(index, self.last[index]))
+            token, probs = self.next(self.runtime.logits(index, self.last[index]), self.runtime.draft_ids)
             drafts.append(token)
             dists.append(probs)
         return self.proposal(drafts, dists)

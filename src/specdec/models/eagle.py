@@ -335,9 +335,11 @@ def load_net(path: str | os.PathLike, expect_version: int | None = None) -> Eagl
 class EagleRuntime:
     """The network's weights packed for the kernels, plus the target's embedding (and head, EAGLE-1)."""
 
-    def __init__(self, net: EagleNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None):
+    def __init__(self, net: EagleNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None,
+                 vocabulary: torch.Tensor | None = None):
         """``target``: whose head EAGLE-1 reads; ``qtype``: block-quantize the network's matrices (beside a
-        quantized target, ``llama.drafter_qtype``)."""
+        quantized target, ``llama.drafter_qtype``); ``vocabulary``: EAGLE-1 drafts from these rows of the
+        target's head only (sorted target ids; drafters.base.read_draft_vocabulary)."""
         config = self.config = net.config
         state = {name: value.detach().float() for name, value in net.state_dict().items()}
         self.dtype = dtype
@@ -356,6 +358,10 @@ class EagleRuntime:
             self.hidden_norm = state[prefix + "hidden_norm.weight"].to(dtype)
             self.draft_ids = net.draft_ids().clone()
             self.head_eps = config.rms_norm_eps
+        elif vocabulary is not None:  # the head's rows of the draft vocabulary: a product that many rows long
+            head = llama.matrix(target.output_head().float()[vocabulary], dtype, None, qtype)
+            self.draft_ids = vocabulary.clone()
+            self.head_eps = None
         else:
             head = llama.head_matrix(target, dtype, None, qtype)
             self.draft_ids = None

@@ -214,11 +214,14 @@ class MtpRuntime:
     prediction through the shared head.
     """
 
-    def __init__(self, net: MtpNet, embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, net: MtpNet, embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype,
+                 vocabulary: torch.Tensor | None = None):
+        """``vocabulary``: draft from these rows of the head only (sorted target ids; ``draft_ids``)."""
         config = self.config = net.config
         self.dtype = dtype
         self.sequential = config.design == "sequential"
-        head = head.float()
+        self.draft_ids = None if vocabulary is None else vocabulary.clone()
+        head = head.float() if vocabulary is None else head.float()[vocabulary]
         self.head = llama.matrix(head, dtype)
         self.cores, self.norms, self.heads, self.enorms, self.hnorms, self.projections = [], [], [], [], [], []
         for module in net.modules_:

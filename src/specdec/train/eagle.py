@@ -24,8 +24,8 @@ from specdec.errors import SpecdecError
 from specdec.models import eagle
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import (DataRecipe, TINY_DATA, FrozenTarget, acceptance_summary, anchor_mask, leading_matches, prepare_run,
-                                    shifted, warn_if_useless)
+from specdec.train.features import (DataRecipe, TINY_DATA, FrozenTarget, acceptance_summary, anchor_mask,
+                                    draft_vocabulary, leading_matches, prepare_run, shifted, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 
@@ -90,13 +90,6 @@ def load_config(path: str | None, preset: str) -> EagleTrainConfig:
 
 def config_from_dict(values: dict[str, Any]) -> EagleTrainConfig:
     return train_config.config_from_dict(EagleTrainConfig, values, "EAGLE training")
-
-
-def draft_vocabulary(sequences, size: int, vocab: int) -> torch.Tensor:
-    """The ``size`` most frequent target ids of the training tokens, sorted (EAGLE-3's draft vocabulary)."""
-    tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
-    counts = torch.bincount(tokens[valid], minlength=vocab)
-    return counts.topk(size).indices.sort().values
 
 
 class Objective:

@@ -240,6 +240,54 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     return train, held
 
 
+def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the training tokens, sorted (EAGLE-3's draft vocabulary)."""
+    tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
+    counts = torch.bincount(tokens[valid], minlength=vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
+                           seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    """Restrict a drafter that reads the target's head (EAGLE-1, MTP modules kept apart) to the ``size``
+    most frequent tokens of the ShareGPT text its presets train on (``count`` train conversations cut at
+    ``max_len`` tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train set), written to
+    DRAFT_VOCAB_FILE in its folder. Returns what the file records."""
+    import json
+
+    from specdec.backends.hf import load_config, load_tokenizer
+    from specdec.drafters.base import DRAFT_VOCAB_FILE
+    from specdec.drafters.mtp import is_modules_folder
+    from specdec.models.eagle import EAGLE1_ARCH, method_of, read_config_json
+
+    drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
+    config = read_config_json(drafter_dir)
+    if not is_modules_folder(drafter_dir) and (config.get("architectures") or [""])[0] != EAGLE1_ARCH:
+        raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that read the target's head "
+                             f"(EAGLE-1, MTP modules kept apart); this folder holds {method_of(config)}")
+    target_config = load_config(target_dir)
+    vocab = int(target_config.vocab_size)
+    if int(config.get("vocab_size", vocab)) != vocab:
+        raise data.DataError(f"{drafter_dir} drafts over {config['vocab_size']} tokens, the target has {vocab}")
+    if not 0 < size < vocab:
+        raise data.DataError(f"the draft vocabulary's size must be in 1..{vocab - 1}, got {size}")
+    tokenizer = load_tokenizer(target_dir)
+    pad = target_config.pad_token_id if target_config.pad_token_id is not None else tokenizer.eos_token_id
+    text = sharegpt_text(tokenizer, count, max_len, seed, pad)
+    ids = draft_vocabulary(text, size, vocab)
+    valid = torch.arange(text.tokens.shape[1])[None] < text.lengths[:, None]
+    counted = text.tokens[valid]
+    covered = torch.zeros(vocab, dtype=torch.bool)
+    covered[ids] = True
+    record = {"ids": ids.tolist(), "size": size, "coverage": round(float(covered[counted].float().mean()), 4),
+              "counted_tokens": int(counted.numel()),
+              "source": f"ShareGPT train text, {text.tokens.shape[0]} conversations cut at {max_len} tokens, seed {seed}"}
+    write_text_atomic(drafter_dir / DRAFT_VOCAB_FILE, json.dumps(record))
+    log(f"[draft-vocab] {size} of {vocab} tokens cover {record['coverage']:.1%} of {record['counted_tokens']:,} "
+        f"training tokens; written to {drafter_dir / DRAFT_VOCAB_FILE}")
+    return record
+
+
 def heldout_prompts(target_dir: Path, count: int) -> list[list[int]]:
     """Code-completion prompts (a definition's header, docstring and first lines) from the validation
     split, built as the benchmark's task set is built from the test split; token ids."""
