@@ -61,6 +61,8 @@ def random_drafters(target, root, seed=0):
         for module in shared.heads:
             module[0].linear.weight.normal_(0, 0.3)
     dirs["medusa-shared"] = medusa.save(shared, root / "medusa-shared")
+    dirs["medusa-vocab"] = medusa.save(shared, root / "medusa-vocab")  # the same heads, half the target's head
+    (root / "medusa-vocab" / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": half.tolist()}))
     return dirs
 
 
@@ -76,7 +78,7 @@ def drafter_dirs(model_dirs, tmp_path_factory):
 
 def all_drafters(dirs):
     return [Eagle(dirs["eagle"]), Eagle(dirs["eagle3"]), Eagle(dirs["eagle-vocab"]), Medusa(dirs["medusa"]),
-            Medusa(dirs["medusa-shared"])]
+            Medusa(dirs["medusa-shared"]), Medusa(dirs["medusa-vocab"])]
 
 
 def settings_for(drafter, supports_trees=True):
@@ -135,6 +137,7 @@ def test_trained_zoo_drafters_equal_plain_decoding():
     ("eagle3-tree", 1.0, 6, None),
     ("medusa", 1.0, 6, None),
     ("medusa-shared", 1.0, 6, None),
+    ("medusa-vocab", 1.0, 6, None),
 ])
 def test_sampling_keeps_the_targets_distribution(kind, temperature, top_k, top_p, model_dirs, drafter_dirs):
     config = SamplingConfig(temperature, top_k, top_p)
@@ -327,10 +330,12 @@ def test_eagle3_with_one_fused_layer_still_projects_the_targets_features(model_d
         plain(target, prompts, 12)
 
 
-def test_eagle1_drafts_from_its_draft_vocabulary_only(drafter_dirs, model_dirs, tmp_path):
+def test_head_readers_draft_from_their_draft_vocabulary_only(drafter_dirs, model_dirs, tmp_path):
     """An EAGLE-1 folder with draft_vocab.json computes only those rows of the target's head, drafts only
-    those tokens (checked above: still exact), ignores the file when asked, and refuses a damaged one."""
+    those tokens (checked above: still exact, and so are Medusa heads ending in the target's head), ignores
+    the file when asked, and refuses a damaged one."""
     import shutil
+    import types
 
     from specdec.decode import GenerationConfig
     from specdec.engine import generate_ids
@@ -357,6 +362,10 @@ def test_eagle1_drafts_from_its_draft_vocabulary_only(drafter_dirs, model_dirs, 
     generate_ids(target, target.encode(PROMPTS[:2]), Spy(), GenerationConfig(num_draft_tokens=3, max_new_tokens=12))
     drafted = torch.cat([p.tokens.flatten() for p in proposed])
     assert drafted.numel() and bool(torch.isin(drafted, ids).all())
+
+    heads = Medusa(drafter_dirs["llama"]["medusa-vocab"])
+    heads.start(types.SimpleNamespace(target=target, tree=None), None)
+    assert torch.equal(heads._runtime[1].draft_ids, ids)
 
     damaged = shutil.copytree(folder, tmp_path / "damaged")
     for text in ("{\"ids\": [3, 2]}", "{\"ids\": [1, 100000]}", "not json"):

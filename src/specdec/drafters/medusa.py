@@ -15,7 +15,7 @@ import torch
 from specdec.batch import Sequences
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
 from specdec.models import medusa
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures
+from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, read_draft_vocabulary
 from specdec.drafters.eagle import check_target, require_kernels
 from specdec.drafters.tree import static_tree
 
@@ -25,10 +25,15 @@ class Medusa:
 
     name = "medusa"
 
-    def __init__(self, path: str | os.PathLike, choices=None):
+    def __init__(self, path: str | os.PathLike, choices=None, draft_vocab: bool = True):
+        """``draft_vocab``: heads that end in the target's head read the folder's draft vocabulary (``specdec
+        train draft-vocab``) when it has one; False: the whole head."""
         self.path = str(path)
         self.net = medusa.load_net(path)
         self.config = self.net.config
+        self.vocabulary = None
+        if self.config.original_lm_head and draft_vocab:
+            self.vocabulary = read_draft_vocabulary(self.path, self.config.vocab_size)
         choices = choices if choices is not None else self.config.medusa_choices
         if not choices:
             choices = [[0] * d for d in range(1, self.config.medusa_num_heads + 1)]  # a chain of top-1 tokens
@@ -57,7 +62,8 @@ class Medusa:
         key = (id(target), dtype) if self.config.original_lm_head else dtype
         if self._runtime is None or self._runtime[0] != key:
             require_kernels(target, "Medusa heads")
-            self._runtime = (key, medusa.MedusaRuntime(self.net, dtype, target))
+            self._runtime = (key, medusa.MedusaRuntime(self.net, dtype, target, self.vocabulary,
+                                                       heads=int(self.depths.max())))
         return MedusaSession(self, self._runtime[1])
 
 
@@ -74,6 +80,8 @@ class MedusaSession:
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         logits = self.runtime.logits(self.feature)  # [B, heads, V]
         top = logits.float().topk(self.top, dim=-1).indices  # [B, heads, top]
+        if self.runtime.draft_ids is not None:
+            top = self.runtime.draft_ids[top]
         batch = top.shape[0]
         tokens = top[:, self.depths - 1, self.ranks]  # [B, N]
         size = tokens.shape[1]

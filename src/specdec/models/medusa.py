@@ -137,17 +137,24 @@ class MedusaRuntime:
     """The heads packed for the kernels: features [B, H] -> logits [B, heads, V]. ``target``: whose LM
     head every head ends in (original_lm_head; one product over all heads' rows)."""
 
-    def __init__(self, net: MedusaHeads, dtype: torch.dtype, target=None):
+    def __init__(self, net: MedusaHeads, dtype: torch.dtype, target=None, vocabulary: torch.Tensor | None = None,
+                 heads: int | None = None):
+        """``vocabulary``: heads ending in the target's head compute only these rows of it (sorted target ids,
+        ``draft_ids``); ``heads``: run only the first that many heads (those a tree reaches)."""
         self.dtype = dtype
         self.blocks, self.heads = [], []
         shared = net.config.original_lm_head
-        for module in net.heads:
+        self.draft_ids = None
+        for module in list(net.heads)[:heads]:
             blocks = module if shared else module[:-1]
             self.blocks.append([(llama.matrix(block.linear.weight.detach().float(), dtype),
                                  block.linear.bias.detach().to(dtype).contiguous()) for block in blocks])
             if not shared:
                 self.heads.append(llama.matrix(module[-1].weight.detach().float(), dtype))
         self.shared_head = llama.head_matrix(target, dtype) if shared else None
+        if shared and vocabulary is not None:
+            self.shared_head = llama.matrix(target.output_head().float()[vocabulary], dtype)
+            self.draft_ids = vocabulary.clone()
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         x0 = features.to(self.dtype).contiguous()

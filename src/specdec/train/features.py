@@ -249,10 +249,10 @@ def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> torch.Tenso
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
                            seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """Restrict a drafter that reads the target's head (EAGLE-1, MTP modules kept apart) to the ``size``
-    most frequent tokens of the ShareGPT text its presets train on (``count`` train conversations cut at
-    ``max_len`` tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train set), written to
-    DRAFT_VOCAB_FILE in its folder. Returns what the file records."""
+    """Restrict a drafter that reads the target's head (EAGLE-1, MTP modules kept apart, Medusa heads ending
+    in it) to the ``size`` most frequent tokens of the ShareGPT text its presets train on (``count`` train
+    conversations cut at ``max_len`` tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train
+    set), written to DRAFT_VOCAB_FILE in its folder. Returns what the file records."""
     import json
 
     from specdec.backends.hf import load_config, load_tokenizer
@@ -262,9 +262,12 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
 
     drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
     config = read_config_json(drafter_dir)
-    if not is_modules_folder(drafter_dir) and (config.get("architectures") or [""])[0] != EAGLE1_ARCH:
+    reads_head = (is_modules_folder(drafter_dir) or (config.get("architectures") or [""])[0] == EAGLE1_ARCH
+                  or ("medusa_num_heads" in config and config.get("original_lm_head")))
+    if not reads_head:
         raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that read the target's head "
-                             f"(EAGLE-1, MTP modules kept apart); this folder holds {method_of(config)}")
+                             f"(EAGLE-1, MTP modules kept apart, Medusa heads ending in the target's head); "
+                             f"this folder holds {method_of(config)}")
     target_config = load_config(target_dir)
     vocab = int(target_config.vocab_size)
     if int(config.get("vocab_size", vocab)) != vocab:
