@@ -306,3 +306,31 @@ def test_bench_measures_dflash_beside_transformers_dflash(model_dirs, dflash_dir
         assert rows[f"specdec dflash k={k} (other)"]["ratio_vs_transformers"] is None
         assert rows[f"transformers dflash k={k} (llama)"]["tau"] >= 1.0
     assert "block drafting per step" in format_table(result)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q and k norms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_keys_and_values_alone_are_those_the_whole_layer_writes(arch, dtype, model_dirs):
+    """DFlash's context columns run only their keys and values (llama.layer_keys_values): the same bits
+    in the cache as the whole layer writes, for every row of a ragged block."""
+    from specdec.models import llama
+
+    target = specdec.load_target(model_dirs[arch], dtype=dtype, backend="native")
+    model = target.backend.model
+    model.reserve(16)
+    batch, n, hidden = 2, 5, int(target.config.hidden_size)
+    torch.manual_seed(0)
+    x = torch.randn(batch * n, hidden).to(dtype)
+    positions = (torch.arange(n).repeat(batch) + torch.tensor([0, 3]).repeat_interleave(n)).contiguous()
+    caches = []
+    for whole in (True, False):
+        kv = llama.new_kv(model, batch, 16)
+        work = llama.scratch(model, batch, n)  # alive while the kernels write to it
+        params = llama.block_params(model, kv, 0, positions, work)
+        for index in range(len(model.layers)):
+            if whole:
+                llama.decoder_layer_from(model, index, x, 1e-6, x, params, kv, None)
+            else:
+                llama.layer_keys_values(model, index, x, 1e-6, params, kv)
+        caches.append(kv)
+    assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])

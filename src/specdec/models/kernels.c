@@ -1512,19 +1512,23 @@ struct sd_block {
 /* A decoder layer whose attention reads x_attn [M, K] (RMS-normed first when attn_eps >= 0) and whose
    attention output is added to residual [M, H]: drafter layers (EAGLE's fused inputs) use it as is,
    sd_decoder_layer is the standard case (x_attn = residual = x_in, K = H). */
-int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
-                          float attn_eps, const void* residual, void* x_out) {
-    long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
+/* A layer's first half on a block: the q/k/v product of x_attn (RMS-normed first unless attn_eps < 0),
+ * the heads' norms and RoPE (the queries' only with ``queries``), and the keys and values written to the
+ * cache. Each head is normed and rotated on its own, so a key's bits do not depend on ``queries``. */
+static int layer_keys_values(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
+                             float attn_eps, int queries) {
+    long M = b->batch * b->n, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
     size_t es = esize(w->dtype);
     int dtype = w->dtype;
+    char* keys_at = (char*)b->qkv + w->heads * D * es;
     if (product(x_attn, M, K, K, w->qkv, w->qkv_type, w->qkv_gain, width, w->qkv_bias, NULL, 0, b->qkv, width,
                 attn_eps, dtype)) return 1;
     if (w->q_norm) {
-        if (sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype)) return 1;
-        if (sd_rms_norm((char*)b->qkv + w->heads * D * es, (char*)b->qkv + w->heads * D * es, M, w->kv, D, width, D,
-                        w->k_norm, w->head_eps, dtype)) return 1;
+        if (queries && sd_rms_norm(b->qkv, b->qkv, M, w->heads, D, width, D, w->q_norm, w->head_eps, dtype)) return 1;
+        if (sd_rms_norm(keys_at, keys_at, M, w->kv, D, width, D, w->k_norm, w->head_eps, dtype)) return 1;
     }
-    sd_rope(b->qkv, M, w->heads + w->kv, D, width, b->rope, b->positions, dtype);
+    if (queries) sd_rope(b->qkv, M, w->heads + w->kv, D, width, b->rope, b->positions, dtype);
+    else sd_rope(keys_at, M, w->kv, D, width, b->rope, b->positions, dtype);
     for (long r = 0; r < M; r++) {
         long row = r / b->n, column = b->past + r % b->n;
         const char* k = (const char*)b->qkv + (r * width + w->heads * D) * es;
@@ -1535,6 +1539,20 @@ int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, co
             memcpy((char*)b->values + at, v + h * D * es, D * es);
         }
     }
+    return 0;
+}
+
+/* Keys and values only: context columns whose own outputs nobody reads (a block drafter's context). */
+int sd_layer_keys_values(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
+                         float attn_eps) {
+    return layer_keys_values(w, b, x_attn, K, attn_eps, 0);
+}
+
+int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
+                          float attn_eps, const void* residual, void* x_out) {
+    long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;
+    int dtype = w->dtype;
+    if (layer_keys_values(w, b, x_attn, K, attn_eps, 1)) return 1;
     if (sd_attention(b->qkv, width, b->keys, b->values, b->ld_b, b->ld_h, b->batch, b->n, w->heads, w->kv, D,
                      b->past + b->n, b->visible, w->scale, b->attn, w->heads * D, dtype)) return 1;
     if (product(b->attn, M, w->heads * D, w->heads * D, w->o, w->o_type, NULL, H, w->o_bias, residual, H, x_out, H,

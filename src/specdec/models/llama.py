@@ -221,6 +221,20 @@ def decoder_layer_from(model: Llama, index: int, x_attn: torch.Tensor, attn_eps:
     return out
 
 
+def layer_keys_values(model: Llama, index: int, x_attn: torch.Tensor, attn_eps: float | None, block: BlockParams,
+                      kv: torch.Tensor) -> None:
+    """Layer ``index``'s keys and values of a block's columns, written to the cache, and nothing else:
+    columns whose own outputs are never read (a block drafter's context). The keys' bits are those
+    ``decoder_layer_from`` writes for the same x_attn."""
+    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
+    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
+    block.visible = None
+    x_attn = x_attn.contiguous()
+    if kernels.library().sd_layer_keys_values(model.layers[index].ref, block.ref, x_attn.data_ptr(), x_attn.shape[-1],
+                                              -1.0 if attn_eps is None else attn_eps):
+        raise MemoryError("the native forward pass could not allocate its work memory")
+
+
 def _run_layer(*args) -> int:
     """sd_decoder_layer of the loaded kernels (looked up once; tests may swap the library)."""
     return kernels.library().sd_decoder_layer(*args)
