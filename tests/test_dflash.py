@@ -334,3 +334,44 @@ def test_keys_and_values_alone_are_those_the_whole_layer_writes(arch, dtype, mod
                 llama.layer_keys_values(model, index, x, 1e-6, params, kv)
         caches.append(kv)
     assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])
+
+
+def test_context_apart_or_with_the_block_drafts_the_same(monkeypatch):
+    """New context columns entered with the block (whole layers) or apart (keys and values only): the same
+    drafts, bit for bit, for the trained zoo drafter whose drafts are mostly accepted."""
+    from specdec.engine import generate_ids
+    from specdec.decode import GenerationConfig
+    from specdec.zoo import ZooError, zoo_path
+    from specdec.zoo.tasks import load_tasks
+
+    try:
+        folder = zoo_path("dflash")
+    except ZooError:
+        pytest.skip("the zoo has no trained DFlash drafter")
+    target = specdec.load_target(zoo_path("target"), dtype=torch.bfloat16, backend="native")
+    prompts = target.encode(load_tasks("code-completion")[:3])
+    runs = []
+    for apart in (1, 10 ** 6):  # every context apart; none (the prompts too go through whole layers)
+        monkeypatch.setattr(dflash.ContextCache, "APART", apart)
+        drafter, drafted = DFlash(folder), []
+
+        class Spy:
+            name, features, block_size = drafter.name, drafter.features, drafter.block_size
+
+            def start(self, context, seqs):
+                session = drafter.start(context, seqs)
+                propose = session.propose
+                session.propose = lambda s, k: _record(propose, s, k, drafted)
+                return session
+
+        out = generate_ids(target, prompts, Spy(), GenerationConfig(num_draft_tokens=drafter.block_size - 1,
+                                                                    max_new_tokens=32))
+        runs.append((out.token_ids, drafted))
+    assert runs[0][0] == runs[1][0] and runs[0][0] == plain(target, prompts, 32)
+    assert len(runs[0][1]) == len(runs[1][1]) and all(torch.equal(a, b) for a, b in zip(*(r[1] for r in runs)))
+
+
+def _record(propose, seqs, k, drafted):
+    proposal = propose(seqs, k)
+    drafted.append(proposal.tokens.clone())
+    return proposal

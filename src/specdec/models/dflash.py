@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import DrafterMismatchError, ModelLoadError
+from specdec.backends.cache import lower_triangle
 from specdec.backends.native import NativeCache
 from specdec.models import kernels, llama
 from specdec.models.eagle import TargetRecord, describes_dspark, method_of, read_config_json
@@ -339,14 +340,19 @@ class DFlashRuntime:
 
 class ContextCache(NativeCache):
     """The drafter's KV cache: one column per committed token, holding each layer's keys and values
-    of that token's fused context. ``draft`` enters the new context columns (their keys and values
-    only), then runs the block, which sees the whole context and itself, and drops the block's
-    columns, so only committed context is ever kept."""
+    of that token's fused context. ``draft`` enters the new context columns and runs the block, which
+    sees the whole context and itself, then drops the block's columns, so only committed context is
+    ever kept. A few new columns (a step's accepted tokens) go through whole layers in one pass with
+    the block; more (a prompt, or context that waited while no draft was asked for) are entered first
+    on their own as keys and values only, since no column reads their outputs."""
+
+    APART = 16  # new context columns from which they are entered on their own
 
     def __init__(self, runtime: DFlashRuntime, batch_size: int, capacity: int | None = None):
         self.runtime = runtime
         super().__init__(types.SimpleNamespace(model=runtime.core), batch_size, capacity)
-        self._ctx: torch.Tensor | None = None  # [B, m, H] fused context of the new columns, while they are entered
+        self._ctx: torch.Tensor | None = None  # [B, m, H] fused context of the pass's new columns
+        self._split = 0  # columns of the pass that are context (-1: a keys-and-values pass of context only)
 
     @torch.inference_mode()
     def draft(self, features: torch.Tensor | None, valid: torch.Tensor | None, anchors: torch.Tensor,
@@ -358,21 +364,32 @@ class ContextCache(NativeCache):
         """
         batch = anchors.shape[0]
         layers = len(self.model.layers)
-        if features is not None and features.shape[1]:
-            # The new context columns first, on their own: each layer's keys and values of their fused
-            # context, and nothing else (no column reads their outputs). Then the block, which sees them.
-            m = features.shape[1]
+        m = 0 if features is None else features.shape[1]
+        if m:
             self._ctx = self.runtime.context(features.flatten(0, 1)).view(batch, m, -1)
+        if m >= self.APART:
+            self._split = -1
             try:
                 self.begin(anchors.new_zeros(batch, m), valid, stop=layers)
             finally:
-                self._ctx = None
-        tokens = torch.full((batch, block_size), self.runtime.config.mask_token_id, dtype=torch.long,
-                            device=anchors.device)
-        tokens[:, 0] = anchors
-        sees = torch.ones(batch, block_size, block_size, dtype=torch.bool, device=anchors.device)  # all of itself
-        block = self.begin(tokens, None, stop=layers, block_mask=sees)
-        out = block.states
+                self._ctx, self._split = None, 0
+            m = 0
+        mask = torch.full((batch, block_size), self.runtime.config.mask_token_id, dtype=torch.long,
+                          device=anchors.device)
+        mask[:, 0] = anchors
+        tokens = mask if m == 0 else torch.cat([mask.new_zeros(batch, m), mask], dim=1)
+        live = torch.ones(batch, m + block_size, dtype=torch.bool, device=anchors.device)
+        if m:
+            live[:, :m] = valid
+        n = m + block_size
+        sees = lower_triangle(n, anchors.device)
+        sees[m:] = True  # the block sees all of the new context and all of itself
+        self._split = m
+        try:
+            block = self.begin(tokens, live, stop=layers, block_mask=sees[None].expand(batch, n, n))
+        finally:
+            self._ctx, self._split = None, 0
+        out = block.states[:, m:]
         self.truncate(self.lengths - block_size)  # keep the context, drop the block
         return out
 
@@ -380,11 +397,16 @@ class ContextCache(NativeCache):
         return F.embedding(tokens.reshape(-1), self.model.embed)  # the context columns' residuals are unused
 
     def _layer(self, index, block):
-        if self._ctx is not None:  # context columns: keys and values from their fused context only
+        m = self._split
+        if m < 0:  # context columns alone: keys and values from their fused context only
             llama.layer_keys_values(self.model, index, self._ctx.reshape(-1, self._ctx.shape[-1]), None,
                                     block.params, self.kv)
             return block.hidden
-        normed = kernels.rms_norm(block.hidden.contiguous(), self.runtime.input_norms[index], self.runtime.eps)
+        batch, n = block.shape
+        x = block.hidden.view(batch, n, -1)
+        normed = kernels.rms_norm(x[:, m:].reshape(batch * (n - m), -1).contiguous(), self.runtime.input_norms[index],
+                                  self.runtime.eps).view(batch, n - m, -1)
+        x_attn = normed if m == 0 else torch.cat([self._ctx, normed], dim=1)
         visible = block.masks[self.model.layers[index].window]
-        return llama.decoder_layer_from(self.model, index, normed, None, block.hidden, block.params, self.kv,
-                                        visible)
+        return llama.decoder_layer_from(self.model, index, x_attn.reshape(batch * n, -1), None, block.hidden,
+                                        block.params, self.kv, visible)
