@@ -108,3 +108,24 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
 specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 2 4 --draft $D --drafters eagle3 dflash mtp --block-sizes 8 --threads 2 --output $OUT/real-bench-float32-s7.json
 time specdec demo
+
+# Eighth session (AMD EPYC family 25 model 17, Zen 4; 2 threads): draft vocabularies for the drafters that read
+# the target's head, then every drafter again
+D=src/specdec/zoo/data/smollm2-135m
+for method in eagle mtp medusa; do
+  specdec train draft-vocab --drafter $D/$method --target smollm2-135m --size 8192
+done
+# the same folders without the file (copies kept from before it), side by side
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  -k 2 --drafters eagle eagle=runs/s8/full/eagle mtp mtp=runs/s8/full/mtp eagle3 --no-transformers --threads 2 \
+  --output $OUT/real-bench-draft-vocab-s8.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --draft $D/draft --drafters eagle eagle3 medusa dflash dspark mtp --block-sizes 8 \
+  --no-transformers --threads 2 --record --output $OUT/real-bench-bfloat16-s8.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-s8.json
+time specdec demo
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 --draft $D/draft --drafters eagle eagle3 medusa dflash dspark mtp --block-sizes 8 --no-transformers \
+  --threads 1 --output $OUT/real-bench-bfloat16-1thread-s8.json
