@@ -124,7 +124,7 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --no-transformers --threads 2 --record --output $OUT/real-bench-bfloat16-s8.json
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
   dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 \
-  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-s8.json
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-s8.json   # run again after the last change
 time specdec demo
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 2 --draft $D/draft --drafters eagle eagle3 medusa dflash dspark mtp --block-sizes 8 --no-transformers \
