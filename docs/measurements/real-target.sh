@@ -129,3 +129,8 @@ time specdec demo
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 2 --draft $D/draft --drafters eagle eagle3 medusa dflash dspark mtp --block-sizes 8 --no-transformers \
   --threads 1 --output $OUT/real-bench-bfloat16-1thread-s8.json
+# beside llama.cpp (pip install llama-cpp-python) on the shipped Q4_1 file
+for task in sharegpt humaneval; do
+  python -m specdec.commands.llamacpp --target smollm2-135m-q4_1 --tasks $task --num-prompts 10 --max-new-tokens 128 \
+    -k 4 --threads 2 --json $OUT/llamacpp-q4_1-$task-s8.json
+done
