@@ -255,8 +255,8 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
             if PROMPT_LOOKUP in reference_families:
                 methods.append(transformers_method(target, model, PROMPT_LOOKUP, None, k, max_new_tokens, max_ngram,
                                                    counter))
-        drafter = next((d for n, d in engines[0].drafters if n == DFLASH), None)  # the first DFlash named
-        drafter = drafter if DFLASH in reference_families else None
+        drafter = next((d for n, d in engines[0].drafters if n == DFLASH and DFLASH in reference_families),
+                       None)  # the first DFlash named
         if drafter is not None:
             from specdec.models.dflash import hf_assistant
 

@@ -14,7 +14,8 @@ import torch
 
 from specdec.batch import Sequences
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import SamplingConfig
+from specdec.models import kernels
+from specdec.sampling import SamplingConfig, probabilities, sample
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a drafter that reads the target'
 
 
 def read_draft_vocabulary(folder: str, vocab: int) -> torch.Tensor | None:
-    """The target ids a drafter folder restricts its drafts to (``specdec draft-vocab``), sorted; None
+    """The target ids a drafter folder restricts its drafts to (``specdec train draft-vocab``), sorted; None
     when it keeps the whole vocabulary. A damaged file is one line (DrafterMismatchError)."""
     import json
     import os
@@ -202,3 +203,23 @@ def read_draft_vocabulary(folder: str, vocab: int) -> torch.Tensor | None:
         raise DrafterMismatchError(f"{path}: the ids must be distinct, sorted and within the target's "
                                    f"vocabulary of {vocab}")
     return ids
+
+
+def over_vocabulary(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """Drafter logits [.., V_draft] over a draft vocabulary (``ids``: each slot's target id) as float32
+    logits over the target's whole vocabulary [.., vocab], -inf outside it; None: as they are."""
+    if ids is None:
+        return logits.float()
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"), dtype=torch.float32)
+    full[..., ids] = logits.float()
+    return full
+
+
+def draft_from(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int, sampling: SamplingConfig, generator):
+    """(draft tokens, their distributions over the target's vocabulary or None when greedy) from drafter
+    logits over a draft vocabulary (``ids``; None: the whole vocabulary): the argmax, or a sample."""
+    if sampling.greedy:
+        slot = kernels.argmax(logits)
+        return (slot if ids is None else ids[slot]), None
+    probs = probabilities(over_vocabulary(logits, ids, vocab), sampling)
+    return sample(probs, generator), probs

@@ -18,9 +18,9 @@ import torch
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
-from specdec.sampling import probabilities, sample
-from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, read_draft_vocabulary,
-                                   recorded_defaults)
+from specdec.sampling import probabilities
+from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
+                                   read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
 
 
@@ -31,7 +31,7 @@ class Eagle:
     """
 
     def __init__(self, path: str | os.PathLike, version: int | None = None, draft_vocab: bool = True):
-        """``draft_vocab``: EAGLE-1 drafts from the folder's draft vocabulary (``specdec draft-vocab``) when
+        """``draft_vocab``: EAGLE-1 drafts from the folder's draft vocabulary (``specdec train draft-vocab``) when
         it has one; False: from the target's whole head."""
         self.path = str(path)
         self.net = eagle.load_net(path, expect_version=version)
@@ -102,24 +102,8 @@ class EagleSession:
         out = self.cache.run(tokens, features.states.flatten(2), features.valid)  # [B, m, H]
         self.last = out[:, -1]
 
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Drafter logits over the target's vocabulary [.., V] (-inf outside a reduced draft vocabulary)."""
-        logits = self.runtime.logits(out).float()
-        ids = self.runtime.draft_ids
-        if ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"))
-        full[..., ids] = logits
-        return full
-
     def _next(self, out: torch.Tensor):
-        if self.sampling.greedy:
-            logits = self.runtime.logits(out)
-            slot = kernels.argmax(logits)
-            ids = self.runtime.draft_ids
-            return (slot if ids is None else ids[slot]), None
-        probs = probabilities(self._logits(out), self.sampling)
-        return sample(probs, self.generator), probs
+        return draft_from(self.runtime.logits(out), self.runtime.draft_ids, self.vocab, self.sampling, self.generator)
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         self.base = self.cache.lengths.clone()

@@ -25,11 +25,9 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, read_draft_vocabulary,
-                                   recorded_defaults)
+from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
+                                   read_draft_vocabulary, recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
-from specdec.models import kernels
-from specdec.sampling import probabilities, sample
 
 
 class MTP:
@@ -134,15 +132,7 @@ class Drafting:
 
     def next(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
         """``ids``: the target id of each logit's slot (a draft vocabulary), None: the whole vocabulary."""
-        if self.sampling.greedy:
-            slot = kernels.argmax(logits)
-            return (slot if ids is None else ids[slot]), None
-        if ids is not None:  # a distribution over the whole vocabulary, zero outside the draft vocabulary
-            full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
-            full[..., ids] = logits.float()
-            logits = full
-        probs = probabilities(logits.float(), self.sampling)
-        return sample(probs, self.generator), probs
+        return draft_from(logits, ids, self.vocab, self.sampling, self.generator)
 
     def proposal(self, drafts: list, dists: list) -> Proposal:
         tokens = torch.stack(drafts, dim=1)

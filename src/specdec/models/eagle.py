@@ -358,13 +358,9 @@ class EagleRuntime:
             self.hidden_norm = state[prefix + "hidden_norm.weight"].to(dtype)
             self.draft_ids = net.draft_ids().clone()
             self.head_eps = config.rms_norm_eps
-        elif vocabulary is not None:  # the head's rows of the draft vocabulary: a product that many rows long
-            head = llama.matrix(target.output_head().float()[vocabulary], dtype, None, qtype)
-            self.draft_ids = vocabulary.clone()
-            self.head_eps = None
-        else:
-            head = llama.head_matrix(target, dtype, None, qtype)
-            self.draft_ids = None
+        else:  # the target's head, or its rows of the draft vocabulary: a product that many rows long
+            head = llama.head_matrix(target, dtype, None, qtype, rows=vocabulary)
+            self.draft_ids = None if vocabulary is None else vocabulary.clone()
             self.head_eps = None
         self.fc = llama.matrix(state["fc.weight"], dtype, qtype=qtype)
         self.fc_bias = llama.small(state.get("fc.bias"), dtype)

@@ -1509,9 +1509,6 @@ struct sd_block {
     void *qkv, *attn, *gate_up, *act;  /* work buffers, contiguous rows */
 };
 
-/* A decoder layer whose attention reads x_attn [M, K] (RMS-normed first when attn_eps >= 0) and whose
-   attention output is added to residual [M, H]: drafter layers (EAGLE's fused inputs) use it as is,
-   sd_decoder_layer is the standard case (x_attn = residual = x_in, K = H). */
 /* A layer's first half on a block: the q/k/v product of x_attn (RMS-normed first unless attn_eps < 0),
  * the heads' norms and RoPE (the queries' only with ``queries``), and the keys and values written to the
  * cache. Each head is normed and rotated on its own, so a key's bits do not depend on ``queries``. */
@@ -1548,6 +1545,9 @@ int sd_layer_keys_values(const struct sd_layer* w, const struct sd_block* b, con
     return layer_keys_values(w, b, x_attn, K, attn_eps, 0);
 }
 
+/* A decoder layer whose attention reads x_attn [M, K] (RMS-normed first when attn_eps >= 0) and whose
+   attention output is added to residual [M, H]: drafter layers (EAGLE's fused inputs) use it as is,
+   sd_decoder_layer is the standard case (x_attn = residual = x_in, K = H). */
 int sd_decoder_layer_from(const struct sd_layer* w, const struct sd_block* b, const void* x_attn, long K,
                           float attn_eps, const void* residual, void* x_out) {
     long M = b->batch * b->n, H = w->hidden, D = w->head_dim, width = (w->heads + 2 * w->kv) * D;

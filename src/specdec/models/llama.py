@@ -188,6 +188,13 @@ def block_params(model: Llama, kv: torch.Tensor, past: int, positions: torch.Ten
     return params
 
 
+def _aim(block: BlockParams, kv: torch.Tensor, index: int, visible: torch.Tensor | None) -> None:
+    """Point ``block`` at layer ``index``'s keys and values in the cache kv [L, 2, B, kv, capacity, D]."""
+    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
+    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
+    block.visible = None if visible is None else visible.data_ptr()
+
+
 def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams, kv: torch.Tensor,
                   visible: torch.Tensor | None) -> torch.Tensor:
     """Layer ``index`` on a block: x [B * n, H] -> a new [B * n, H], writing its keys and values.
@@ -196,9 +203,7 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
     each new token sees), or None when every token sees every column.
     """
     out = torch.empty_like(x)
-    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
-    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
-    block.visible = None if visible is None else visible.data_ptr()
+    _aim(block, kv, index, visible)
     if _run_layer(model.layers[index].ref, block.ref, x.data_ptr(), out.data_ptr()):
         raise MemoryError("the native forward pass could not allocate its work memory")
     return out
@@ -210,9 +215,7 @@ def decoder_layer_from(model: Llama, index: int, x_attn: torch.Tensor, attn_eps:
     """Layer ``index`` whose attention reads x_attn [B * n, K] (RMS-normed first unless attn_eps is
     None) and adds its output to residual [B * n, H]: drafter layers with fused inputs."""
     out = torch.empty_like(residual)
-    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
-    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
-    block.visible = None if visible is None else visible.data_ptr()
+    _aim(block, kv, index, visible)
     x_attn = x_attn.contiguous()
     if kernels.library().sd_decoder_layer_from(model.layers[index].ref, block.ref, x_attn.data_ptr(),
                                                x_attn.shape[-1], -1.0 if attn_eps is None else attn_eps,
@@ -226,9 +229,7 @@ def layer_keys_values(model: Llama, index: int, x_attn: torch.Tensor, attn_eps: 
     """Layer ``index``'s keys and values of a block's columns, written to the cache, and nothing else:
     columns whose own outputs are never read (a block drafter's context). The keys' bits are those
     ``decoder_layer_from`` writes for the same x_attn."""
-    keys = kv.data_ptr() + index * kv.stride(0) * kv.element_size()
-    block.keys, block.values = keys, keys + kv.stride(1) * kv.element_size()
-    block.visible = None
+    _aim(block, kv, index, None)
     x_attn = x_attn.contiguous()
     if kernels.library().sd_layer_keys_values(model.layers[index].ref, block.ref, x_attn.data_ptr(), x_attn.shape[-1],
                                               -1.0 if attn_eps is None else attn_eps):
@@ -596,12 +597,16 @@ def matrix(w: torch.Tensor, dtype: torch.dtype, norm: torch.Tensor | None = None
     return Matrix.pack(w.to(dtype))
 
 
-def head_matrix(target, dtype: torch.dtype, norm: torch.Tensor | None = None, qtype: str | None = None):
+def head_matrix(target, dtype: torch.dtype, norm: torch.Tensor | None = None, qtype: str | None = None,
+                rows: torch.Tensor | None = None):
     """The target's LM head [V, H] (``target``: a Target, or the head's weight itself) for a drafter that
     reuses it, after the drafter's own ``norm``: a quantized target's head is shared as it is (its packed
-    blocks, the drafter's gain), else packed as ``matrix``."""
+    blocks, the drafter's gain), else packed as ``matrix``. ``rows``: only these rows (target ids, a
+    draft vocabulary), packed as ``matrix`` whatever the target's weights."""
     if isinstance(target, torch.Tensor):
-        return matrix(target.float(), dtype, norm, qtype)
+        return matrix(target.float() if rows is None else target.float()[rows], dtype, norm, qtype)
+    if rows is not None:
+        return matrix(target.output_head().float()[rows], dtype, norm, qtype)
     head = target.backend.model.head if target.model is None else None
     if isinstance(head, QMatrix):
         return QMatrix(head.packed, head.rows, head.cols, head.qtype,

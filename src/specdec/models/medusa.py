@@ -151,9 +151,8 @@ class MedusaRuntime:
                                  block.linear.bias.detach().to(dtype).contiguous()) for block in blocks])
             if not shared:
                 self.heads.append(llama.matrix(module[-1].weight.detach().float(), dtype))
-        self.shared_head = llama.head_matrix(target, dtype) if shared else None
+        self.shared_head = llama.head_matrix(target, dtype, rows=vocabulary) if shared else None
         if shared and vocabulary is not None:
-            self.shared_head = llama.matrix(target.output_head().float()[vocabulary], dtype)
             self.draft_ids = vocabulary.clone()
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

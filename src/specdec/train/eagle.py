@@ -175,10 +175,8 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
     net = eagle.EagleNet(shape)
     coverage = 1.0
     if config.version == 3:
-        used = draft_vocabulary(train, draft_vocab, vocab)
+        used, coverage = draft_vocabulary(train, draft_vocab, vocab)
         net.set_draft_vocab(used)
-        _, valid = train.batch(torch.arange(train.tokens.shape[0]))
-        coverage = float(net.t2d[train.tokens[valid]].float().mean())
     frozen = run.frozen(shape.hidden_layers())
     if config.version == 3 and config.head_from_target and not resume:
         # The target's own map from its last hidden state to tokens, restricted to the draft vocabulary:

@@ -211,6 +211,14 @@ def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_
 HELDOUT_NEW_TOKENS = 128
 
 
+def chat_pad(target_dir: Path, tokenizer) -> int:
+    """The pad id of a chat target's sequences: its config's pad token, else the tokenizer's EOS."""
+    from specdec.backends.hf import load_config
+
+    pad = load_config(target_dir).pad_token_id
+    return pad if pad is not None else tokenizer.eos_token_id
+
+
 def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir: Path, source: str, count: int,
                        heldout: int, prefix_len: int, generated_len: int, generation_batch: int, seed: int,
                        log: Callable[[str], None]) -> tuple[Sequences, Sequences]:
@@ -218,10 +226,8 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     and greedy continuations of held-out first user turns."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise data.DataError(f"training on ShareGPT needs a tokenizer with a chat template; {target_dir} has none")
-    from specdec.backends.hf import load_config
 
-    pad = load_config(target_dir).pad_token_id
-    pad = pad if pad is not None else tokenizer.eos_token_id
+    pad = chat_pad(target_dir, tokenizer)
     key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
     root = Path(cache_dir)
     if source == "sharegpt":
@@ -240,11 +246,13 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     return train, held
 
 
-def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> torch.Tensor:
-    """The ``size`` most frequent target ids of the training tokens, sorted (EAGLE-3's draft vocabulary)."""
+def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """(the ``size`` most frequent target ids of the training tokens, sorted; the share of the training
+    tokens among them): EAGLE-3's draft vocabulary, and draft_vocab.json's."""
     tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
     counts = torch.bincount(tokens[valid], minlength=vocab)
-    return counts.topk(size).indices.sort().values
+    ids = counts.topk(size).indices.sort().values
+    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
@@ -268,22 +276,15 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
         raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that read the target's head "
                              f"(EAGLE-1, MTP modules kept apart, Medusa heads ending in the target's head); "
                              f"this folder holds {method_of(config)}")
-    target_config = load_config(target_dir)
-    vocab = int(target_config.vocab_size)
+    vocab = int(load_config(target_dir).vocab_size)
     if int(config.get("vocab_size", vocab)) != vocab:
         raise data.DataError(f"{drafter_dir} drafts over {config['vocab_size']} tokens, the target has {vocab}")
     if not 0 < size < vocab:
         raise data.DataError(f"the draft vocabulary's size must be in 1..{vocab - 1}, got {size}")
     tokenizer = load_tokenizer(target_dir)
-    pad = target_config.pad_token_id if target_config.pad_token_id is not None else tokenizer.eos_token_id
-    text = sharegpt_text(tokenizer, count, max_len, seed, pad)
-    ids = draft_vocabulary(text, size, vocab)
-    valid = torch.arange(text.tokens.shape[1])[None] < text.lengths[:, None]
-    counted = text.tokens[valid]
-    covered = torch.zeros(vocab, dtype=torch.bool)
-    covered[ids] = True
-    record = {"ids": ids.tolist(), "size": size, "coverage": round(float(covered[counted].float().mean()), 4),
-              "counted_tokens": int(counted.numel()),
+    text = sharegpt_text(tokenizer, count, max_len, seed, chat_pad(target_dir, tokenizer))
+    ids, coverage = draft_vocabulary(text, size, vocab)
+    record = {"ids": ids.tolist(), "size": size, "coverage": round(coverage, 4), "counted_tokens": text.num_tokens,
               "source": f"ShareGPT train text, {text.tokens.shape[0]} conversations cut at {max_len} tokens, seed {seed}"}
     write_text_atomic(drafter_dir / DRAFT_VOCAB_FILE, json.dumps(record))
     log(f"[draft-vocab] {size} of {vocab} tokens cover {record['coverage']:.1%} of {record['counted_tokens']:,} "
