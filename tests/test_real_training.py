@@ -326,6 +326,7 @@ def test_sharegpt_self_continues_opening_turns_with_the_target(chat_dir, sharegp
     tokenizer = load_tokenizer(chat_dir)
     openings = {tuple(rendered(tokenizer, c["messages"][:1], True)) for c in train if c["id"].endswith("_0")}
     target = load_target(chat_dir)
+    generator = load_target(chat_dir, dtype=torch.bfloat16)  # training answers come from the bfloat16 target
     prompts = []
     for i, row in enumerate(rows_of(run.train)):
         prompt = row[: int(run.train.prompt_len[i])]
@@ -334,10 +335,10 @@ def test_sharegpt_self_continues_opening_turns_with_the_target(chat_dir, sharegp
         assert len(row) - len(prompt) <= config.generated_len
     # Chunk 0 (rows 0, 1) is greedy: the target's own greedy answers; chunk 1 is sampled at temperature 1
     # (seeded seed * 1000 + chunk).
-    greedy = specdec.generate(target, prompts, max_new_tokens=8).token_ids
+    greedy = specdec.generate(generator, prompts, max_new_tokens=8).token_ids
     for i in (0, 1):
         assert rows_of(run.train)[i][len(prompts[i]):] == greedy[i]
-    sampled = specdec.generate(target, prompts[2:], max_new_tokens=8, temperature=1.0, seed=1).token_ids
+    sampled = specdec.generate(generator, prompts[2:], max_new_tokens=8, temperature=1.0, seed=1).token_ids
     assert [row[len(p):] for row, p in zip(rows_of(run.train)[2:], prompts[2:])] == sampled
 
     # Held out: the target's greedy answers (as the benchmark generates them) to held-out opening turns.
@@ -347,6 +348,63 @@ def test_sharegpt_self_continues_opening_turns_with_the_target(chat_dir, sharegp
     answers = specdec.generate(target, held_prompts, max_new_tokens=features.HELDOUT_NEW_TOKENS).token_ids
     assert [row[len(p):] for row, p in zip(rows_of(run.held), held_prompts)] == answers
     assert max(len(answer) for answer in answers) == features.HELDOUT_NEW_TOKENS
+
+
+def test_eagle1_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exactly(chat_dir, sharegpt, tmp_path,
+                                                                                  monkeypatch):
+    """EAGLE-1 with ``head_vocab``: the loss and the offline metric run over the most frequent training
+    tokens, saved as the folder's draft_vocab.json; ``init_from`` starts a run from that folder's weights and
+    keeps its vocabulary; the drafter drafts only from it and equals plain decoding; a folder of another
+    version is refused in one line."""
+    from specdec.drafters import Eagle
+    from specdec.errors import SpecdecError
+    from specdec.models import eagle as eagle_model
+
+    target = load_target(chat_dir)
+    size = target.vocab_size // 4
+    config = replace(te.PRESETS["tiny"], version=1, ttt_steps=1, source="sharegpt", head_vocab=size, **SHAREGPT_DATA)
+    first = te.train_eagle(config, chat_dir, tmp_path / "a", log=lambda m: None)
+    record = json.loads((tmp_path / "a" / "draft_vocab.json").read_text())
+    ids = record["ids"]
+    assert len(ids) == record["size"] == size and ids == sorted(set(ids))
+    assert 0.5 < record["coverage"] == first["draft_vocab_coverage"] <= 1.0
+    assert 1.0 <= first["offline"]["tau_k1"]
+
+    ids_seen = []
+    original = te.Objective.loss
+
+    def spy(self, net, batch):
+        ids_seen.append(None if self.rows is None else self.rows.tolist())
+        return original(self, net, batch)
+
+    monkeypatch.setattr(te.Objective, "loss", spy)
+    started = {}
+    real_loop = te.run_loop
+
+    def loop_spy(*, model, **kwargs):
+        started.update({name: value.clone() for name, value in model.state_dict().items()})
+        return real_loop(model=model, **kwargs)
+
+    monkeypatch.setattr(te, "run_loop", loop_spy)
+    again = replace(config, init_from=str(tmp_path / "a"), head_vocab=size // 2)  # the folder's vocabulary wins
+    te.train_eagle(again, chat_dir, tmp_path / "b", log=lambda m: None)
+    saved = eagle_model.load_net(tmp_path / "a").state_dict()
+    assert all(torch.equal(started[name], saved[name].float()) for name in saved)
+    assert ids_seen and all(seen == ids for seen in ids_seen)
+    assert json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["ids"] == ids
+
+    drafter = Eagle(tmp_path / "b")
+    assert drafter.runtime(target).draft_ids.tolist() == ids
+    prompts = target.encode(["def item3(x):", "and twice?"])
+    plain = specdec.generate(target, prompts, max_new_tokens=16)
+    for k in (1, 3):
+        out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=k, max_new_tokens=16)
+        assert out.token_ids == plain.token_ids, k
+    eagle3 = replace(te.PRESETS["tiny"], source="sharegpt", **SHAREGPT_DATA, optim=replace(config.optim, steps=2))
+    te.train_eagle(eagle3, chat_dir, tmp_path / "c", log=lambda m: None)
+    with pytest.raises(SpecdecError, match="EAGLE-3"):
+        te.train_eagle(replace(config, init_from=str(tmp_path / "c")), chat_dir, tmp_path / "d", log=lambda m: None)
+    assert not (tmp_path / "d").exists()
 
 
 def test_warn_if_useless_reads_the_deepest_chain_measured():

@@ -107,7 +107,8 @@ def cmd_train_drafter(args) -> int:
         if args.resume:
             raise SpecdecError("--resume continues the checkpoint; drop --init-from")
         if not (Path(args.init_from) / "config.json").is_file():
-            raise SpecdecError(f"--init-from needs a DFlash folder, got {args.init_from}")
+            raise SpecdecError(f"--init-from needs a trained {args.train_command} folder (with config.json), "
+                               f"got {args.init_from}")
         config = replace(config, init_from=str(args.init_from))
     from specdec.backends.target import resolve_model
 
@@ -313,9 +314,10 @@ def add_commands(subparsers) -> None:
                        help="folder of the token ids and cached target features (default: the checkpoint folder); "
                             "runs on the same data share it, and a cache with more layers serves")
         p.set_defaults(func=cmd_train_drafter)
-        if name == "dflash":
+        if name in ("dflash", "eagle", "eagle3"):
             p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
-                           help="continue a trained DFlash folder (the long-context phase: --preset dflash-long)")
+                           help=f"start from a trained {name} folder of the same shape (new data, or DFlash's "
+                                f"long-context phase: --preset dflash-long)")
 
     p = train_sub.add_parser("layerskip", help="continue a target with layer dropout and an early-exit loss "
                                                "(a variant that drafts with its first layers)")

@@ -57,6 +57,11 @@ class EagleTrainConfig(DataRecipe):
     # SmolLM2-135M (ShareGPT preset, step 120): first-draft acceptance 0.24 against 0.27 from a random
     # head, so the presets leave it off.
     head_from_target: bool = False
+    # EAGLE-1: score the next token over a draft vocabulary of this many tokens (the most frequent of the
+    # training data, or ``init_from``'s draft_vocab.json), as the drafter then drafts; saved beside it as
+    # draft_vocab.json. 0: the target's whole head.
+    head_vocab: int = 0
+    init_from: str = ""            # an EAGLE folder of the same version and shape to continue from
 
 
 PRESETS: dict[str, EagleTrainConfig] = {
@@ -79,6 +84,12 @@ PRESETS: dict[str, EagleTrainConfig] = {
                                        prefix_len=256, generated_len=256, source="sharegpt",
                                        optim=OptimConfig(steps=400, lr=2e-3, warmup_steps=30, eval_every=100,
                                                          ckpt_every_steps=20, bfloat16=True)),
+    # EAGLE-1 on the target's own answers to 2,048 ShareGPT first user turns (half greedy, half sampled).
+    "eagle-sharegpt-self": EagleTrainConfig(version=1, ttt_steps=1, batch_size=8, train_sequences=2048,
+                                            heldout_sequences=48, prefix_len=256, generated_len=192,
+                                            source="sharegpt-self",
+                                            optim=OptimConfig(steps=600, lr=2e-3, warmup_steps=30, eval_every=100,
+                                                              ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
                              ttt_steps=3, eval_depth=3, draft_vocab_size=0, **TINY_DATA),
 }
@@ -95,8 +106,15 @@ def config_from_dict(values: dict[str, Any]) -> EagleTrainConfig:
 class Objective:
     """Loss and offline metric of one EAGLE version, given the frozen target."""
 
-    def __init__(self, config: EagleTrainConfig, frozen: FrozenTarget, layers: tuple[int, ...]):
+    def __init__(self, config: EagleTrainConfig, frozen: FrozenTarget, layers: tuple[int, ...],
+                 rows: torch.Tensor | None = None):
         self.config, self.frozen, self.layers = config, frozen, layers
+        # EAGLE-1 over a draft vocabulary: its target ids, and those rows of the target's head
+        self.rows = rows
+        self.head = frozen.head if rows is None else frozen.head[rows].contiguous()
+
+    def draft_ids(self, net: eagle.EagleNet) -> torch.Tensor:
+        return self.rows if self.rows is not None else net.draft_ids()
 
     def embeds(self, tokens: torch.Tensor, steps: int, pairs: int) -> list[torch.Tensor]:
         return [F.embedding(shifted(tokens, 1 + i, pairs), self.frozen.embed) for i in range(steps)]
@@ -104,7 +122,7 @@ class Objective:
     def loss(self, net: eagle.EagleNet, batch) -> torch.Tensor:
         tokens, valid = batch
         c = self.config
-        features, logits = self.frozen.run(tokens, valid, self.layers)  # [B, T, F], [B, T, V]
+        features, logits = self.frozen.run(tokens, valid, self.layers, rows=self.rows)  # [B, T, F], [B, T, V]
         pairs = tokens.shape[1] - 1
         inputs = features[:, :pairs]
         steps = c.ttt_steps if net.config.version == 3 else 1
@@ -129,7 +147,7 @@ class Objective:
                 next_feature = shifted(features, 1, pairs)
                 vloss = F.smooth_l1_loss(out, next_feature, reduction="none").mean(-1)
                 probs = torch.softmax(target, dim=-1)
-                ploss = -(probs * torch.log_softmax(net.logits(out, self.frozen.head), dim=-1)).sum(-1)
+                ploss = -(probs * torch.log_softmax(net.logits(out, self.head), dim=-1)).sum(-1)
                 total = total + ((c.v_weight * vloss + c.p_weight * ploss) * mask).sum() / mask.sum().clamp(min=1)
         return total
 
@@ -145,8 +163,8 @@ class Objective:
             features, logits = self.frozen.run(tokens, valid, self.layers)
             pairs = tokens.shape[1] - 1
             outputs = net.rollout(self.embeds(tokens, depth, pairs), features[:, :pairs], depth)
-            ids = net.draft_ids()
-            drafts = torch.stack([ids[net.logits(out, self.frozen.head).argmax(-1)] for out in outputs], -1)
+            ids = self.draft_ids(net)
+            drafts = torch.stack([ids[net.logits(out, self.head).argmax(-1)] for out in outputs], -1)
             truth = torch.stack([shifted(logits.argmax(-1), 1 + i, pairs, -1) for i in range(depth)], -1)
             anchors = anchor_mask(valid, held.prompt_len[rows], pairs, depth)
             counts = leading_matches(drafts == truth)  # [b, N]
@@ -160,6 +178,9 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
     """Train (or resume) an EAGLE drafter for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
+    # the folder to continue, read before anything is written (a wrong one is refused at once)
+    source = eagle.load_net(config.init_from, expect_version=config.version) if config.init_from and not resume \
+        else None
     run = prepare_run("eagle", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
                       data_dir)
     config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
@@ -173,10 +194,14 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
                                          intermediate_size=config.shape.intermediate or None)
     torch.manual_seed(config.seed)
     net = eagle.EagleNet(shape)
-    coverage = 1.0
+    coverage, rows, extra = 1.0, None, {}
     if config.version == 3:
         used, coverage = draft_vocabulary(train, draft_vocab, vocab)
         net.set_draft_vocab(used)
+    if source is not None:
+        start_from(net, source, config.init_from, target)
+    if config.version == 1 and config.head_vocab:
+        rows, coverage, extra = eagle1_vocabulary(config, train, vocab, log)
     frozen = run.frozen(shape.hidden_layers())
     if config.version == 3 and config.head_from_target and not resume:
         # The target's own map from its last hidden state to tokens, restricted to the draft vocabulary:
@@ -184,7 +209,7 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
         with torch.no_grad():
             net.lm_head.weight.copy_(frozen.head[net.draft_ids()])
             net.norm.weight.copy_(frozen.model.model.norm.weight)
-    objective = Objective(config, frozen, shape.hidden_layers())
+    objective = Objective(config, frozen, shape.hidden_layers(), rows)
 
     run_config = {"kind": "eagle", "eagle": config_to_dict(config), "target": target.fingerprint()}
     result = run_loop(model=net, config=config.optim, batch_fn=run.batch_fn(salt=21), loss_fn=objective.loss,
@@ -205,8 +230,45 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
     }
     net.config = eagle.with_training(shape, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
                                                                       "offline", "draft_vocab_coverage")})
-    eagle.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    eagle.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n", **extra})
     return summary
+
+
+def start_from(net: eagle.EagleNet, source: eagle.EagleNet, folder: str, target) -> None:
+    """Load the weights of ``source`` (``folder``'s drafter) into ``net``: the same version and shape, made
+    for this target."""
+    warning = source.config.target.check(target, f"the EAGLE drafter in {folder}", source.config.hidden_size,
+                                         source.config.vocab_size, source.config.hidden_layers())
+    if warning:
+        raise EagleTrainError(warning)
+    mine, theirs = net.state_dict(), source.state_dict()
+    different = [name for name in mine if name not in theirs or theirs[name].shape != mine[name].shape]
+    if different or len(mine) != len(theirs):
+        raise EagleTrainError(f"{folder} holds an EAGLE drafter of another shape than this run's "
+                              f"({', '.join(different[:3]) or 'other tensors'}); init_from needs the same shape")
+    net.load_state_dict({name: theirs[name].float() for name in mine})
+    net.train()
+
+
+def eagle1_vocabulary(config: EagleTrainConfig, train, vocab: int, log) -> tuple[torch.Tensor, float, dict]:
+    """(ids, coverage of the training tokens, {draft_vocab.json: its text}) of an EAGLE-1 run over a draft
+    vocabulary: ``init_from``'s file where it has one (the drafter learnt those rows), else the
+    ``head_vocab`` most frequent tokens of the training data."""
+    from specdec.drafters.base import DRAFT_VOCAB_FILE, read_draft_vocabulary
+    from specdec.train.features import vocabulary_coverage
+
+    ids = read_draft_vocabulary(config.init_from, vocab) if config.init_from else None
+    if ids is not None:
+        coverage, source = vocabulary_coverage(train, ids, vocab), f"the draft vocabulary of {config.init_from}"
+    else:
+        if not 0 < config.head_vocab < vocab:
+            raise EagleTrainError(f"head_vocab must be in 1..{vocab - 1}, got {config.head_vocab}")
+        ids, coverage = draft_vocabulary(train, config.head_vocab, vocab)
+        source = f"the EAGLE-1 training data ({config.source}), {train.tokens.shape[0]} sequences"
+    log(f"[eagle] next-token loss over {ids.numel()} of {vocab} tokens ({coverage:.1%} of the training tokens)")
+    record = {"ids": ids.tolist(), "size": int(ids.numel()), "coverage": round(coverage, 4),
+              "counted_tokens": train.num_tokens, "source": source}
+    return ids, coverage, {DRAFT_VOCAB_FILE: json.dumps(record)}
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,

@@ -74,16 +74,17 @@ class Sequences:
 
 
 def continuations(target_dir: Path, prefixes: list[list[int]], new_tokens: int, temperatures: list[float],
-                  batch_size: int, seed: int, log: Callable[[str], None]) -> Sequences:
+                  batch_size: int, seed: int, log: Callable[[str], None],
+                  dtype: torch.dtype = torch.float32) -> Sequences:
     """Continue each prefix (token ids) by ``new_tokens`` of the target (specdec's own decoding, native
-    backend where it runs), chunk c at temperature ``temperatures[c % len]``."""
+    backend where it runs, in ``dtype``), chunk c at temperature ``temperatures[c % len]``."""
     from specdec.decode import GenerationConfig
     from specdec.engine import generate_ids
     from specdec.drafters import NoDraft
     from specdec.sampling import SamplingConfig
     from specdec.backends.target import load_target
 
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype=dtype)
     rows, lengths = [], []
     total = len(prefixes)
     width = max(len(p) for p in prefixes) + new_tokens
@@ -236,7 +237,7 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     else:
         train = cached_sequences(root / f"train-sharegpt-self-{key}-{count}.pt", lambda: continuations(
             target_dir, opening_prompt_ids(tokenizer, "train", count, prefix_len, seed), generated_len, [0.0, 1.0],
-            generation_batch, seed, log))
+            generation_batch, seed, log, dtype=torch.bfloat16))
     held = cached_sequences(root / f"heldout-sharegpt-{fingerprint}-{prefix_len}-{heldout}-{HELDOUT_NEW_TOKENS}.pt",
                             lambda: continuations(target_dir, opening_prompt_ids(tokenizer, "heldout", heldout,
                                                                                 prefix_len, seed + 1),
@@ -249,10 +250,20 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
 def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> tuple[torch.Tensor, float]:
     """(the ``size`` most frequent target ids of the training tokens, sorted; the share of the training
     tokens among them): EAGLE-3's draft vocabulary, and draft_vocab.json's."""
-    tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
-    counts = torch.bincount(tokens[valid], minlength=vocab)
+    counts = token_counts(sequences, vocab)
     ids = counts.topk(size).indices.sort().values
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
+def token_counts(sequences: Sequences, vocab: int) -> torch.Tensor:
+    tokens, valid = sequences.tokens, torch.arange(sequences.tokens.shape[1])[None] < sequences.lengths[:, None]
+    return torch.bincount(tokens[valid], minlength=vocab)
+
+
+def vocabulary_coverage(sequences: Sequences, ids: torch.Tensor, vocab: int) -> float:
+    """The share of the sequences' tokens among ``ids``."""
+    counts = token_counts(sequences, vocab)
+    return float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
@@ -329,18 +340,20 @@ class FrozenTarget:
         self.cache = cache
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor | None = None):
+    def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None):
         """(features [B, T, len(layers) * H] concatenated in order, logits [B, T, V]); with ``at`` [B, M]
-        (positions, < T) the logits there only, [B, M, V] (a cached batch then skips the others' products)."""
+        (positions, < T) the logits there only, [B, M, V] (a cached batch then skips the others' products);
+        with ``rows`` (token ids) only those logits, [B, T, len(rows)]."""
         found = self.cache.lookup(tokens, layers) if self.cache is not None else None
         if found is not None:
             features, final = found
             if at is not None:
                 final = final.gather(1, at[:, :, None].expand(-1, -1, final.shape[2]))
-            return features, final @ self.head.t()
+            return features, final @ (self.head if rows is None else self.head[rows]).t()
         out = self.model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-        logits = out.logits.float()
+        logits = out.logits.float() if rows is None else out.logits[..., rows].float()
         if at is not None:
             logits = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[2]))
         return features, logits
