@@ -108,6 +108,39 @@ def test_joins_and_leaves_equal_each_prompt_alone(name, make, options, zoo_targe
         assert engine.metrics.num_accepted_tokens > 0, "a trained drafter should get drafts accepted"
 
 
+@pytest.mark.parametrize("name,make,options", zoo_drafters(), ids=[d[0] for d in zoo_drafters()])
+def test_prompts_of_unequal_lengths_prefill_in_groups(name, make, options, zoo_target, monkeypatch):
+    """A cohort of prompts from 3 to about 200 tokens prefills in several blocks, each as narrow as its
+    longest prompt, and every drafter then gives each prompt what it gets alone; sampling draws the same
+    tokens as one left-padded block."""
+    from specdec import engine as engine_module
+
+    texts = [TEXTS[0], TEXTS[1] * 6, "x", TEXTS[2] * 2, TEXTS[3] * 12, TEXTS[4]]
+    prompts = zoo_target.encode(texts)
+    budgets = [12] * len(prompts)
+    blocks = []
+    real_prefill = engine_module.prefill
+
+    def spy(target, tokens, valid, capacity, layers, groups):
+        blocks.extend(tokens[torch.tensor(rows)][:, tokens.shape[1] - int(valid[torch.tensor(rows)].sum(1).max()):].shape
+                      for rows in groups)
+        return real_prefill(target, tokens, valid, capacity, layers, groups)
+
+    monkeypatch.setattr(engine_module, "prefill", spy)
+    engine = Engine(zoo_target, make(), num_draft_tokens=4, **options)
+    tokens, _ = run_arrivals(engine, prompts, budgets, arrivals=[0] * len(prompts))
+    longest = max(len(p) for p in prompts)
+    assert len(blocks) >= 3 and sum(rows * width for rows, width in blocks) < len(prompts) * longest / 2
+    assert tokens == alone(zoo_target, prompts, budgets), name
+    if name != "none":
+        return
+    sampling = SamplingConfig(1.0, 20, None)
+    grouped = run_arrivals(Engine(zoo_target, make()), prompts, budgets, [0] * len(prompts), sampling)
+    monkeypatch.setattr(engine_module, "prefill_groups", lambda lengths: [list(range(len(lengths)))])
+    dense = run_arrivals(Engine(zoo_target, make()), prompts, budgets, [0] * len(prompts), sampling)
+    assert grouped == dense
+
+
 @pytest.mark.parametrize("name,make,options", zoo_drafters()[1:], ids=[d[0] for d in zoo_drafters()[1:]])
 def test_drafting_switched_off_and_on_keeps_the_output(name, make, options, zoo_target, zoo_prompts,
                                                        zoo_reference):

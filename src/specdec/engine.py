@@ -282,6 +282,60 @@ class Engine:
         return states
 
 
+PREFILL_SLACK = 1.25  # a prefill group's longest prompt: at most this times its shortest, plus PREFILL_EXTRA
+PREFILL_EXTRA = 16
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """Rows of a cohort prefilled together: in order of prompt length, a new group whenever a prompt is
+    longer than PREFILL_SLACK times the group's shortest plus PREFILL_EXTRA. One left-padded block for
+    prompts of 35 and 431 tokens computes 431 columns for both; groups bound the padding computed."""
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    groups: list[list[int]] = []
+    for row in order:
+        if groups and lengths[row] <= PREFILL_SLACK * lengths[groups[-1][0]] + PREFILL_EXTRA:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def prefill(target: Target, tokens: torch.Tensor, valid: torch.Tensor, capacity: int, layers: tuple[int, ...],
+            groups: list[list[int]]):
+    """(cache, logits [B, 1, V], hidden [B, T, L, H] or None) of the left-padded prompts ``tokens`` [B, T],
+    each group of rows its own block, as narrow as its longest prompt. A row's numbers do not depend on
+    its block on a backend with exact numerics, so only the columns computed change; the caches join in
+    the cohort's row order (rows of narrower groups get holes on the right)."""
+    if len(groups) == 1:
+        cache = target.new_cache(tokens.shape[0], capacity)
+        logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=layers)
+        return cache, logits, hidden
+    width = tokens.shape[1]
+    cache, parts = None, []
+    for rows in groups:
+        index = torch.tensor(rows, device=tokens.device)
+        used = int(valid[index].sum(1).max())
+        part = target.new_cache(len(rows), capacity)
+        parts.append((index, used, *target.forward(part, tokens[index, width - used:], valid[index, width - used:],
+                                                   logits_to_keep=1, hidden_layers=layers)))
+        if cache is None:
+            cache = part
+        else:
+            cache.extend(part)
+    order = torch.cat([index for index, *_ in parts])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    cache.select_rows(inverse)
+    logits = torch.cat([part_logits for _, _, part_logits, _ in parts])[inverse]
+    hidden = None
+    if layers:
+        first = parts[0][3]
+        hidden = first.new_zeros(tokens.shape[0], width, *first.shape[2:])
+        for index, used, _, part_hidden in parts:
+            hidden[index, width - used:] = part_hidden
+    return cache, logits, hidden
+
+
 class Group:
     """The running rows of one sampling setting: their sequences, the target's KV cache and the
     drafter's session, all with one row per request."""
@@ -323,9 +377,7 @@ class Group:
         seqs = Sequences(prompts, longest + max(budgets) + engine.width + 2, pad, device=device)
         context = DecodeContext(target, self.sampling, self.generator, max(budgets), engine.width, capacity, engine.tree)
         session = engine.drafter.start(context, seqs)
-        cache = target.new_cache(len(prompts), capacity)
-        if hasattr(session, "share_cache"):  # self-drafting: the drafter runs the target's first layers in it
-            session.share_cache(cache)
+        shared = hasattr(session, "share_cache")  # self-drafting: the drafter runs the target's first layers in it
         processors = GenerationProcessors.for_target(target, prompts, budgets)
         stats = engine.stats
         if processors is not None:
@@ -336,12 +388,16 @@ class Group:
         prompt_lengths = seqs.lengths.clone()
         budget = torch.tensor(budgets, device=device)
         tokens, valid = seqs.window(torch.zeros_like(seqs.lengths), seqs.lengths, pad)
-        logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=engine.layers)
+        groups = prefill_groups(prompt_lengths.tolist()) if target.backend.exact_numerics and not shared \
+            else [list(range(len(prompts)))]
+        cache, logits, hidden = prefill(target, tokens, valid, capacity, engine.layers, groups)
+        if shared:
+            session.share_cache(cache)
         if processors is not None:
             logits = processors.apply(seqs, prompt_lengths, logits, budgets=budget)
         first = kernels.argmax(logits[:, -1]) if self.sampling.greedy else sample(
             probabilities(logits[:, -1], self.sampling), self.generator)
-        stats.target_forwards += 1
+        stats.target_forwards += 1  # the prefill, however many blocks it took
         stats.prefill_time += time.perf_counter() - tick
         seqs.append(first[:, None], torch.ones_like(seqs.lengths))
         if engine.layers:  # the prompt's features, right-aligned with the pending (first) token already

@@ -84,10 +84,11 @@ PRESETS: dict[str, EagleTrainConfig] = {
                                        prefix_len=256, generated_len=256, source="sharegpt",
                                        optim=OptimConfig(steps=400, lr=2e-3, warmup_steps=30, eval_every=100,
                                                          ckpt_every_steps=20, bfloat16=True)),
-    # EAGLE-1 on the target's own answers to 2,048 ShareGPT first user turns (half greedy, half sampled).
+    # EAGLE-1 on the target's own answers to 2,048 ShareGPT first user turns (half greedy, half sampled), its
+    # next-token loss over the 8,192 tokens it then drafts from.
     "eagle-sharegpt-self": EagleTrainConfig(version=1, ttt_steps=1, batch_size=8, train_sequences=2048,
                                             heldout_sequences=48, prefix_len=256, generated_len=192,
-                                            source="sharegpt-self",
+                                            source="sharegpt-self", head_vocab=8192,
                                             optim=OptimConfig(steps=600, lr=2e-3, warmup_steps=30, eval_every=100,
                                                               ckpt_every_steps=20, bfloat16=True)),
     "tiny": EagleTrainConfig(optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2, eval_every=6, ckpt_every_steps=4),
