@@ -446,6 +446,7 @@ def test_draft_model_distils_from_the_cache_and_drafts_exactly(chat_dir, sharegp
     target's projected, trained on the cached final states; the loss falls, the folder records the target,
     the offline metric is what drafting gets, and decoding with it equals plain decoding."""
     from specdec.commands.cli import main
+    from specdec.drafters import draft_model as draft_model_module
     from specdec.drafters.draft_model import DraftModel
     from specdec.train import draft
 
@@ -496,6 +497,38 @@ def test_draft_model_distils_from_the_cache_and_drafts_exactly(chat_dir, sharegp
     for settings in ({"num_draft_tokens": 3}, {"tree": TreeConfig(depth=2, topk=2, num_nodes=4)}):
         out = specdec.generate(target, ids, drafter=student, max_new_tokens=16, **settings)
         assert out.token_ids == plain.token_ids, settings
+
+    # Its own head over the most frequent training tokens only (specdec train draft-vocab): the native
+    # backend computes those rows, every draft is one of them, and decoding still equals plain decoding,
+    # greedy (chain and tree) and sampled.
+    size = target.vocab_size // 4
+    assert main(["train", "draft-vocab", "--drafter", str(tmp_path / "out"), "--target", str(chat_dir),
+                 "--size", str(size), "--conversations", "16"]) == 0
+    record = json.loads((tmp_path / "out" / "draft_vocab.json").read_text())
+    restricted = DraftModel(tmp_path / "out")
+    assert restricted.vocabulary.tolist() == record["ids"] and len(record["ids"]) == size
+    assert DraftModel(tmp_path / "out", draft_vocab=False).vocabulary is None
+    drafted = []
+    real_propose = draft_model_module.DraftModelSession.propose
+
+    def spy(self, seqs, k):
+        proposal = real_propose(self, seqs, k)
+        drafted.extend(proposal.tokens.flatten().tolist())
+        assert self.cache.logit_head is not None and self.cache.logit_head.cols == size
+        return proposal
+
+    monkeypatch.setattr(draft_model_module.DraftModelSession, "propose", spy)
+    for settings in ({"num_draft_tokens": 3}, {"tree": TreeConfig(depth=2, topk=2, num_nodes=4)}):
+        out = specdec.generate(target, ids, drafter=restricted, max_new_tokens=16, **settings)
+        assert out.token_ids == plain.token_ids, settings
+    assert drafted and set(drafted) <= set(record["ids"])
+    from test_exact_generation import sampled_pairs, sampling_case
+    from test_sampling import P_VALUE, chi_square_p
+
+    sampling = specdec.SamplingConfig(1.0, 6, None)
+    small, prompt, exact = sampling_case(chat_dir, sampling, text="def item3(x):")
+    assert chi_square_p(sampled_pairs(small, prompt, restricted, sampling), exact) > P_VALUE
+    assert main(["train", "draft-vocab", "--drafter", str(chat_dir), "--target", str(chat_dir)]) == 2
 
     # The command dispatches on the target: this one is not the zoo's, so it trains from the cache.
     code = main(["train", "distill", "--target", str(chat_dir), "--out", str(tmp_path / "cli"), "--preset", "tiny",

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specdec.backends.cache import FULL, RaggedCache, Window
 from specdec.errors import InvalidArgumentError
-from specdec.models import llama
+from specdec.models import kernels, llama
 
 DEFAULT_CAPACITY = 256
 
@@ -76,6 +76,9 @@ class NativeCache(RaggedCache):
         self.scratch: dict[tuple[int, int], llama.Scratch] = {}  # (B, n) -> work buffers
         self._stop: int | None = None
         self._resume: tuple[torch.Tensor, int] | None = None
+        # A draft model's head over its draft vocabulary only (the final norm folded in, as model.head):
+        # logits [.., len(rows)] instead of [.., V]
+        self.logit_head: llama.Matrix | None = None
 
     @property
     def capacity(self) -> int:
@@ -172,7 +175,10 @@ class NativeCache(RaggedCache):
             states = states.gather(1, logits_to_keep[:, :, None].expand(-1, -1, states.shape[2]))
         elif logits_to_keep:
             states = states[:, -logits_to_keep:]
-        logits = model.logits(states)  # [B, m, V]
+        if self.logit_head is None:
+            logits = model.logits(states)  # [B, m, V]
+        else:
+            logits = kernels.linear(states.contiguous(), self.logit_head, norm_eps=model.eps)
         hidden = None
         if block.hidden_layers:
             hidden = torch.stack([block.taps[i] for i in block.hidden_layers], dim=2)

@@ -14,9 +14,11 @@ import torch
 from specdec.backends import hf
 from specdec.batch import Sequences
 from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
-from specdec.models import kernels
+from specdec.backends.native import NativeBackend
+from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, Proposal, recorded_defaults
+from specdec.drafters.base import (DecodeContext, Proposal, draft_from, over_vocabulary, read_draft_vocabulary,
+                                   recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend
 
@@ -25,13 +27,16 @@ class DraftModel:
     name = "draft-model"
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", backend: str = "auto"):
+                 device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool = True):
         """``model``: a model directory, a transformers model already loaded (runs on "hf"), or a
         ``Target``, which then drafts on its own backend (self-draft; ``target.model`` is None on native).
 
         ``backend`` as for ``load_target``: "native", "hf" or "auto" (native where supported);
-        ``dtype``, ``device`` and ``backend`` apply to directories only.
+        ``dtype``, ``device`` and ``backend`` apply to directories only. ``draft_vocab``: a directory's
+        draft_vocab.json (``specdec train draft-vocab``) restricts the drafts to its tokens, and the native
+        backend then computes only those rows of the model's head.
         """
+        self.vocabulary, self.head = None, None
         if isinstance(model, Target):
             self.backend, self.model, self.tokenizer = model.backend, model.model, model.tokenizer
             self.path = model.path
@@ -43,6 +48,8 @@ class DraftModel:
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
             self.default_draft_tokens, self.default_tree = recorded_defaults(self.path)  # bench --record's fastest
+            if draft_vocab and isinstance(self.backend, NativeBackend):
+                self.vocabulary = read_draft_vocabulary(self.path, self.backend.vocab_size)
         else:  # None is typically target.model of a native target
             hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
@@ -73,11 +80,20 @@ class DraftModel:
         if window is not None and needed > window:
             raise ContextLengthError(
                 f"the draft model's context window is {window} tokens, this generation needs up to {needed}")
-        return DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size)
+        if self.vocabulary is not None and self.head is None:
+            model = self.backend.model
+            self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, rows=self.vocabulary)
+        session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
+                                    self.vocabulary)
+        if self.vocabulary is not None:
+            session.cache.logit_head = self.head
+        return session
 
 
 class DraftModelSession:
-    def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int):
+    def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int,
+                 vocabulary: torch.Tensor | None = None):
+        self.vocabulary = vocabulary  # the target ids of the head's rows, or None: the whole head
         self.sampling = context.sampling
         self.generator = context.generator
         self.pad = context.target.pad_token_id
@@ -87,7 +103,10 @@ class DraftModelSession:
         self.tree_base: torch.Tensor | None = None  # [B] committed tokens in the cache below a tree
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary width (padded embeddings may differ in size)."""
+        """Draft logits over the target's vocabulary width (padded embeddings may differ in size; a draft
+        vocabulary's logits go to their tokens, -inf elsewhere)."""
+        if self.vocabulary is not None:
+            return over_vocabulary(logits, self.vocabulary, self.target_vocab)
         width = logits.shape[-1]
         if width == self.target_vocab:
             return logits
@@ -98,6 +117,8 @@ class DraftModelSession:
 
     def _next(self, logits: torch.Tensor):
         """Draft token and (when sampling) its distribution from logits [B, V]."""
+        if self.vocabulary is not None:
+            return draft_from(logits, self.vocabulary, self.target_vocab, self.sampling, self.generator)
         logits = self._fit_vocab(logits.float())
         if self.sampling.greedy:
             return kernels.argmax(logits), None

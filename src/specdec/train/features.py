@@ -268,10 +268,11 @@ def vocabulary_coverage(sequences: Sequences, ids: torch.Tensor, vocab: int) -> 
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
                            seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """Restrict a drafter that reads the target's head (EAGLE-1, MTP modules kept apart, Medusa heads ending
-    in it) to the ``size`` most frequent tokens of the ShareGPT text its presets train on (``count`` train
-    conversations cut at ``max_len`` tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train
-    set), written to DRAFT_VOCAB_FILE in its folder. Returns what the file records."""
+    """Restrict a drafter that ends in a head over the whole vocabulary (EAGLE-1, MTP modules kept apart and
+    Medusa heads ending in the target's head, a draft model's own head) to the ``size`` most frequent
+    tokens of the ShareGPT text its presets train on (``count`` train conversations cut at ``max_len``
+    tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train set), written to DRAFT_VOCAB_FILE
+    in its folder. Returns what the file records."""
     import json
 
     from specdec.backends.hf import load_config, load_tokenizer
@@ -281,12 +282,15 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
 
     drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
     config = read_config_json(drafter_dir)
-    reads_head = (is_modules_folder(drafter_dir) or (config.get("architectures") or [""])[0] == EAGLE1_ARCH
+    arch = (config.get("architectures") or [""])[0]
+    if drafter_dir.resolve() == target_dir.resolve():
+        raise data.DataError(f"{drafter_dir} is the target itself, not a drafter beside it")
+    reads_head = (is_modules_folder(drafter_dir) or arch == EAGLE1_ARCH or arch.endswith("ForCausalLM")
                   or ("medusa_num_heads" in config and config.get("original_lm_head")))
     if not reads_head:
-        raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that read the target's head "
-                             f"(EAGLE-1, MTP modules kept apart, Medusa heads ending in the target's head); "
-                             f"this folder holds {method_of(config)}")
+        raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that end in a head over the whole "
+                             f"vocabulary (EAGLE-1, MTP modules kept apart, Medusa heads ending in the target's "
+                             f"head, a draft model); this folder holds {method_of(config)}")
     vocab = int(load_config(target_dir).vocab_size)
     if int(config.get("vocab_size", vocab)) != vocab:
         raise data.DataError(f"{drafter_dir} drafts over {config['vocab_size']} tokens, the target has {vocab}")
