@@ -100,6 +100,38 @@ def test_sampling_keeps_the_targets_distribution(temperature, top_k, top_p, mode
     assert chi_square_p(sampled_pairs(target, prompt, DSpark(dspark_dirs["llama"]), config), exact) > P_VALUE
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_block_drafters_draft_from_their_draft_vocabulary_only(method, model_dirs, dspark_dirs, tmp_path):
+    """A DFlash or DSpark folder with draft_vocab.json (half the vocabulary) computes only those rows of the
+    target's head (and of the Markov head's W2), drafts only those tokens, equals plain decoding, keeps the
+    target's distribution when sampling, and ignores the file when asked."""
+    from specdec.drafters.base import DRAFT_VOCAB_FILE
+
+    from test_exact_generation import plain
+
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    source = random_dflash(target, tmp_path / "dflash") if method == "dflash" else dspark_dirs["llama"]
+    folder = shutil.copytree(source, tmp_path / "vocab")
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randperm(target.vocab_size, generator=generator)[: target.vocab_size // 2].sort().values
+    (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": ids.tolist()}))
+    kind = DFlash if method == "dflash" else DSpark
+    drafter = kind(folder)
+    runtime = drafter.runtime(target)
+    assert torch.equal(runtime.rows, ids)
+    assert runtime.logits(torch.zeros(1, int(target.config.hidden_size))).shape[-1] == ids.numel()
+    assert kind(folder, draft_vocab=False).runtime(target).rows is None
+    prompts = target.encode(PROMPTS)
+    recorder = Recorder(drafter)
+    out = specdec.generate(target, prompts, drafter=recorder, max_new_tokens=24)
+    assert out.token_ids == plain(target, prompts, 24)
+    drafted = torch.cat([p.tokens.flatten() for p in recorder.proposals])
+    assert drafted.numel() and bool(torch.isin(drafted, ids).all())
+    config = SamplingConfig(1.0, 6, None)
+    small, prompt, exact = sampling_case(model_dirs["llama"], config)
+    assert chi_square_p(sampled_pairs(small, prompt, kind(folder), config), exact) > P_VALUE
+
+
 class Recorder:
     """Wraps a session: keeps every proposal."""
 

@@ -205,8 +205,8 @@ def cmd_train_evaluate(args) -> int:
 
 
 def cmd_train_draft_vocab(args) -> int:
-    """``specdec train draft-vocab``: restrict a drafter's head (EAGLE-1, MTP modules, Medusa on the target's
-    head, a draft model) to the most frequent training tokens."""
+    """``specdec train draft-vocab``: restrict a drafter's head (EAGLE-1, DFlash, DSpark, MTP modules, Medusa on
+    the target's head, a draft model) to the most frequent training tokens."""
     from specdec.backends.target import resolve_model
     from specdec.train.features import write_draft_vocabulary
 
@@ -339,8 +339,9 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=cmd_train_selfspec)
 
     p = train_sub.add_parser("draft-vocab", help="draft from the most frequent training tokens only: a drafter that "
-                                                 "ends in a head over the whole vocabulary (EAGLE-1, MTP modules "
-                                                 "kept apart, Medusa on the target's head, a draft model) then "
+                                                 "ends in a head over the whole vocabulary (EAGLE-1, DFlash, "
+                                                 "DSpark, MTP modules kept apart, Medusa on the target's head, a "
+                                                 "draft model) then "
                                                  "computes that many rows of it per draft")
     p.add_argument("--drafter", required=True, type=Path, help="the drafter folder (gets draft_vocab.json)")
     p.add_argument("--target", required=True, type=Path, help="the target it drafts for (folder or name)")

@@ -20,9 +20,9 @@ import torch
 
 from specdec.batch import Sequences, cat_rows
 from specdec.errors import InvalidArgumentError
-from specdec.models import dflash, kernels, llama
-from specdec.sampling import probabilities, sample
-from specdec.drafters.base import DecodeContext, FeatureSpec, Proposal, TargetFeatures, recorded_defaults
+from specdec.models import dflash, llama
+from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
+                                   read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.eagle import check_target, require_kernels
 
 
@@ -37,10 +37,13 @@ class DFlash:
     runtime_class = dflash.DFlashRuntime
     anchor_drafts = False  # the anchor slot predicts nothing: a block of B gives B - 1 drafts
 
-    def __init__(self, path: str | os.PathLike, block_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, block_size: int | None = None, draft_vocab: bool = True):
+        """``draft_vocab``: draft from the folder's draft_vocab.json (``specdec train draft-vocab``) when it has
+        one, computing only those rows of the target's head."""
         self.path = str(path)
         self.net = self.load_net(path)
         self.config = self.net.config
+        self.vocabulary = read_draft_vocabulary(self.path, self.config.vocab_size) if draft_vocab else None
         trained = self.config.block_size
         block_size = trained if block_size is None else int(block_size)
         smallest = 1 if self.anchor_drafts else 2
@@ -66,7 +69,8 @@ class DFlash:
         if key not in self._runtimes:
             require_kernels(target, f"{self.label} drafters")
             self._runtimes = {key: self.runtime_class(self.net, target.input_embeddings(), target,
-                                                      target.backend.dtype, llama.drafter_qtype(target))}
+                                                      target.backend.dtype, llama.drafter_qtype(target),
+                                                      self.vocabulary)}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":
@@ -79,6 +83,7 @@ class DFlash:
 class DFlashSession:
     def __init__(self, runtime: dflash.DFlashRuntime, context: DecodeContext, batch_size: int, block_size: int):
         self.runtime = runtime
+        self.vocab = context.target.vocab_size
         self.block_size = block_size
         self.sampling, self.generator = context.sampling, context.generator
         capacity = None if context.cache_capacity is None else context.cache_capacity + block_size
@@ -102,10 +107,8 @@ class DFlashSession:
         self.cache.compact()
         logits = self.runtime.logits(out[:, 1:])  # slot 0 is the anchor: it predicts nothing
         lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
-        if self.sampling.greedy:
-            return Proposal(kernels.argmax(logits), lengths)
-        probs = probabilities(logits.float(), self.sampling)  # [B, drafts, V]
-        return Proposal(sample(probs, self.generator), lengths, probs)
+        tokens, probs = draft_from(logits, self.runtime.rows, self.vocab, self.sampling, self.generator)
+        return Proposal(tokens, lengths, probs)  # probs: [B, drafts, V] when sampling
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # the cache holds committed context only; the accepted tokens' features come with ``observe``

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import Proposal
+from specdec.drafters.base import Proposal, draft_from
 from specdec.drafters.dflash import DFlash, DFlashSession
-from specdec.models import dspark, kernels
-from specdec.sampling import probabilities, sample
+from specdec.models import dspark
 
 
 class DSpark(DFlash):
@@ -46,11 +45,8 @@ class DSparkSession(DFlashSession):
         previous, tokens, dists, confidences = anchors, [], [], []
         for j in range(drafts):
             logits, confidence = runtime.slot(head[:, j], hidden[:, j], previous, j)
-            if self.sampling.greedy:
-                previous = kernels.argmax(logits)
-            else:
-                probs = probabilities(logits, self.sampling)
-                previous = sample(probs[:, None], self.generator)[:, 0]
+            previous, probs = draft_from(logits, runtime.rows, self.vocab, self.sampling, self.generator)
+            if probs is not None:
                 dists.append(probs)
             tokens.append(previous)
             confidences.append(confidence)

@@ -304,10 +304,13 @@ def hf_assistant(net: DFlashNet, target_config, dtype: torch.dtype = torch.float
 class DFlashRuntime:
     """The network's weights packed for the kernels, with the target's embedding and LM head."""
 
-    def __init__(self, net: DFlashNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None):
+    def __init__(self, net: DFlashNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None,
+                 rows: torch.Tensor | None = None):
         """``target``: whose LM head it reads; ``qtype``: block-quantize the network's matrices (beside a
-        quantized target, ``llama.drafter_qtype``)."""
+        quantized target, ``llama.drafter_qtype``); ``rows``: a draft vocabulary (target ids), the only
+        rows of the head computed (logits [.., len(rows)])."""
         config = self.config = net.config
+        self.rows = rows
         state = {name: value.detach().float() for name, value in net.state_dict().items()}
         self.dtype = dtype
 
@@ -322,8 +325,8 @@ class DFlashRuntime:
         self.fc = llama.matrix(state["fc.weight"], dtype, qtype=qtype)
         self.hidden_norm = state["hidden_norm.weight"].to(dtype)
         self.eps = config.rms_norm_eps
-        self.core = llama.drafter_core(config, embed, layers, llama.head_matrix(target, dtype, state["norm.weight"], qtype),
-                                       dtype)
+        self.core = llama.drafter_core(config, embed, layers,
+                                       llama.head_matrix(target, dtype, state["norm.weight"], qtype, rows=rows), dtype)
 
     def new_cache(self, batch_size: int, capacity: int | None) -> "ContextCache":
         return ContextCache(self, batch_size, capacity)
@@ -334,7 +337,7 @@ class DFlashRuntime:
         return kernels.rms_norm(fused, self.hidden_norm, self.eps)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The final norm and the target's head on block outputs [.., H]: [.., V]."""
+        """The final norm and the target's head on block outputs [.., H]: [.., V] (or [.., len(rows)])."""
         return kernels.linear(out.contiguous(), self.core.head, norm_eps=self.eps)
 
 

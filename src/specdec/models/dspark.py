@@ -165,12 +165,14 @@ def load_net(path: str | os.PathLike) -> DSparkNet:
 class DSparkRuntime(dflash.DFlashRuntime):
     """DFlash's packed network, plus the Markov and confidence heads."""
 
-    def __init__(self, net: DSparkNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None):
-        super().__init__(net, embed, target, dtype, qtype)
+    def __init__(self, net: DSparkNet, embed: torch.Tensor, target, dtype: torch.dtype, qtype: str | None = None,
+                 rows: torch.Tensor | None = None):
+        super().__init__(net, embed, target, dtype, qtype, rows)
         config = net.config
         head = net.markov_head
         self.markov_w1 = head.markov_w1.weight.detach().float().clone()            # [V, r]
-        self.markov_w2 = llama.matrix(head.markov_w2.weight.detach().float(), dtype)  # r -> V on the kernels
+        w2 = head.markov_w2.weight.detach().float()
+        self.markov_w2 = llama.matrix(w2 if rows is None else w2[rows], dtype)     # r -> V (or the rows) on the kernels
         self.gate = head.gate if config.markov_head_type == "gated" else None
         self.final_norm = net.norm.weight.detach().to(dtype)
         self.confidence = net.confidence_head if config.enable_confidence_head else None
@@ -183,8 +185,9 @@ class DSparkRuntime(dflash.DFlashRuntime):
     @torch.inference_mode()
     def slot(self, logits: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor, index: int
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [B, V] of one slot with the Markov term of the previous tokens [B], its calibrated
-        confidence [B] or None) from the head's logits [B, V] and the normed output [B, H]."""
+        """(logits [B, V] of one slot with the Markov term of the previous tokens [B] (target ids), its
+        calibrated confidence [B] or None) from the head's logits [B, V] and the normed output [B, H]; V is
+        the draft vocabulary's size when the runtime has one."""
         code = F.embedding(previous, self.markov_w1)                                 # [B, r]
         term = kernels.linear(code.to(self.dtype).contiguous(), self.markov_w2).float()
         joint = None

@@ -268,9 +268,9 @@ def vocabulary_coverage(sequences: Sequences, ids: torch.Tensor, vocab: int) -> 
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
                            seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    """Restrict a drafter that ends in a head over the whole vocabulary (EAGLE-1, MTP modules kept apart and
-    Medusa heads ending in the target's head, a draft model's own head) to the ``size`` most frequent
-    tokens of the ShareGPT text its presets train on (``count`` train conversations cut at ``max_len``
+    """Restrict a drafter that ends in a head over the whole vocabulary (EAGLE-1, DFlash, DSpark, MTP modules
+    kept apart and Medusa heads ending in the target's head, a draft model's own head) to the ``size`` most
+    frequent tokens of the ShareGPT text its presets train on (``count`` train conversations cut at ``max_len``
     tokens, in the order of ``seed``: the ``*-sharegpt`` presets' train set), written to DRAFT_VOCAB_FILE
     in its folder. Returns what the file records."""
     import json
@@ -278,6 +278,7 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
     from specdec.backends.hf import load_config, load_tokenizer
     from specdec.drafters.base import DRAFT_VOCAB_FILE
     from specdec.drafters.mtp import is_modules_folder
+    from specdec.models.dflash import ARCH as DFLASH_ARCH
     from specdec.models.eagle import EAGLE1_ARCH, method_of, read_config_json
 
     drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
@@ -285,12 +286,12 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
     arch = (config.get("architectures") or [""])[0]
     if drafter_dir.resolve() == target_dir.resolve():
         raise data.DataError(f"{drafter_dir} is the target itself, not a drafter beside it")
-    reads_head = (is_modules_folder(drafter_dir) or arch == EAGLE1_ARCH or arch.endswith("ForCausalLM")
-                  or ("medusa_num_heads" in config and config.get("original_lm_head")))
+    reads_head = (is_modules_folder(drafter_dir) or arch in (EAGLE1_ARCH, DFLASH_ARCH)
+                  or arch.endswith("ForCausalLM") or ("medusa_num_heads" in config and config.get("original_lm_head")))
     if not reads_head:
         raise data.DataError(f"{drafter_dir}: a draft vocabulary serves drafters that end in a head over the whole "
-                             f"vocabulary (EAGLE-1, MTP modules kept apart, Medusa heads ending in the target's "
-                             f"head, a draft model); this folder holds {method_of(config)}")
+                             f"vocabulary (EAGLE-1, DFlash, DSpark, MTP modules kept apart, Medusa heads ending in "
+                             f"the target's head, a draft model); this folder holds {method_of(config)}")
     vocab = int(load_config(target_dir).vocab_size)
     if int(config.get("vocab_size", vocab)) != vocab:
         raise data.DataError(f"{drafter_dir} drafts over {config['vocab_size']} tokens, the target has {vocab}")
