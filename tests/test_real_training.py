@@ -170,7 +170,13 @@ def test_eagle3_on_sharegpt_caches_features_once(chat_dir, sharegpt, tmp_path, m
     layers = (1, 2, 3)  # the tiny EAGLE-3's: every layer of a 3-layer target, the last one final-normed
     frozen = run.frozen(layers)
     cache = frozen.cache
-    assert cache.folder == folder and cache.layers == layers
+    assert cache.folder == folder and cache.layers == layers and cache.missing() == 0
+    # A reader of fewer layers (EAGLE-1: the final one) takes this complete cache, not a folder of its own
+    # layers that a killed build left unfinished.
+    partial = folder.parent / folder.name.replace("-L1-2-3", "-L3")
+    partial.mkdir()
+    assert run.frozen((3,)).cache.folder == folder and not (partial / "train.done").exists()
+    partial.rmdir()
     for name, seqs in (("train", run.train), ("heldout", run.held)):
         per_chunk = max(1, FeatureCache.CHUNK_TOKENS // seqs.tokens.shape[1])
         done = json.loads((folder / f"{name}.done").read_text())
@@ -260,7 +266,9 @@ def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_pa
     monkeypatch.setattr(features, "load_fast_target", counting(calls))
     lines = []
     cache = FeatureCache(tmp_path / "killed", sets, (1,), 3, 64)
+    assert cache.missing() == 2 + 3
     cache.build(chat_dir, lines.append)
+    assert cache.missing() == 0
     assert calls == [2, 2, 1, 1, 1]  # train rows 2..5, then the three held-out rows
     assert "2 of 3 chunks to compute" in lines[0] and "3 of 3 chunks to compute" in lines[1]
     resumed = read_all(tmp_path / "killed", sets)

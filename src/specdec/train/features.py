@@ -392,9 +392,33 @@ class FeatureCache:
     def size_bytes(self) -> int:
         return sum(2 * int(np.prod(self._shape(name))) for name in self.sets)
 
+    def chunks(self, name: str) -> range:
+        """Starting rows of set ``name``'s chunks."""
+        rows, width = self.sets[name].tokens.shape
+        return range(0, rows, max(1, self.CHUNK_TOKENS // width))
+
+    def digest(self, name: str) -> str:
+        import hashlib
+
+        tokens = self.sets[name].tokens
+        return hashlib.sha256(str(tuple(tokens.shape)).encode() + tokens.numpy().tobytes()).hexdigest()
+
+    def finished(self, name: str) -> set[int]:
+        """The chunks of set ``name`` already in the folder (none when it holds other sequences)."""
+        import json
+
+        path, done_path, tokens_path = (self.folder / f"{name}.{suffix}" for suffix in ("bin", "done", "tokens"))
+        if not (path.is_file() and done_path.is_file() and tokens_path.is_file()) \
+                or tokens_path.read_text() != self.digest(name):
+            return set()
+        return set(json.loads(done_path.read_text()))
+
+    def missing(self) -> int:
+        """Chunks still to compute, over every set."""
+        return sum(len(set(self.chunks(name)) - self.finished(name)) for name in self.sets)
+
     def build(self, target_dir: Path, log: Callable[[str], None]) -> float:
         """Compute what is missing; returns the seconds spent."""
-        import hashlib
         import json
         import time
 
@@ -405,11 +429,11 @@ class FeatureCache:
         model = None
         for name, seqs in self.sets.items():
             path, done_path = self.folder / f"{name}.bin", self.folder / f"{name}.done"
-            per_chunk = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
-            chunks = range(0, seqs.tokens.shape[0], per_chunk)
+            chunks = self.chunks(name)
+            per_chunk = chunks.step
             # The finished chunks are of the sequences whose digest <set>.tokens holds (none: an older cache).
             tokens_path = self.folder / f"{name}.tokens"
-            digest = hashlib.sha256(str(tuple(seqs.tokens.shape)).encode() + seqs.tokens.numpy().tobytes()).hexdigest()
+            digest = self.digest(name)
             if tokens_path.is_file() and tokens_path.read_text() != digest:
                 done_path.unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
@@ -580,14 +604,20 @@ class DrafterRun:
             config = self.target.config
             key = f"{self.target.fingerprint()}-{self.source}-{self.train.tokens.shape[0]}x{self.train.tokens.shape[1]}"
             wanted = set(layers) | {self.target.num_layers}
+
+            def cache_of(chosen: set[int]) -> FeatureCache:
+                layer_key = "-".join(str(i) for i in sorted(chosen))
+                return FeatureCache(self.data_dir / f"features-{key}-L{layer_key}",
+                                    {"train": self.train, "heldout": self.held}, tuple(chosen),
+                                    self.target.num_layers, int(config.hidden_size))
+
             # A cache of these sequences holding more layers serves too (EAGLE-3, DFlash, Medusa and
-            # EAGLE-1 can share one folder); else one of exactly the layers asked for.
-            stored = sorted(set(int(i) for i in folder.name.rsplit("-L", 1)[1].split("-"))
-                            for folder in self.data_dir.glob(f"features-{key}-L*") if folder.is_dir())
-            chosen = next((found for found in stored if wanted <= found), wanted)
-            layer_key = "-".join(str(i) for i in sorted(chosen))
-            cache = FeatureCache(self.data_dir / f"features-{key}-L{layer_key}", {"train": self.train, "heldout": self.held},
-                                 tuple(chosen), self.target.num_layers, int(config.hidden_size))
+            # EAGLE-1 can share one folder): the one with the fewest chunks left to compute, then the
+            # fewest layers; else one of exactly the layers asked for.
+            stored = [cache_of(found) for found in (set(int(i) for i in folder.name.rsplit("-L", 1)[1].split("-"))
+                                                    for folder in self.data_dir.glob(f"features-{key}-L*")
+                                                    if folder.is_dir()) if wanted <= found]
+            cache = min(stored, key=lambda c: (c.missing(), len(c.layers)), default=None) or cache_of(wanted)
             self.feature_seconds = cache.build(self.target_dir, self.log)
         return FrozenTarget(self.target_dir, cache)
 
