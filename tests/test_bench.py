@@ -85,3 +85,28 @@ def test_recorded_runs_each_drafter_once_at_its_folders_fastest_setting(targets,
     chain.default_draft_tokens = 2
     assert own_setting(chain, [2, 4]) == ([2], ())
     assert own_setting(treed, [2, 4]) == ([], (tree,))
+
+
+def test_record_writes_each_folders_own_fastest_setting_when_a_method_runs_twice(tmp_path):
+    """Two folders of one method in one bench run: each records its own best row, not the method's."""
+    import json
+
+    from specdec.commands.bench import record_fastest
+
+    folders = {}
+    for name in ("new", "old"):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text("{}")
+
+    def row(label, k, speedup):
+        return {"impl": "specdec", "family": "eagle", "batch_size": 1, "method": f"specdec eagle k={k} ({label})",
+                "k": k, "tree": None, "tau": 1.5, "speedup_vs_plain": speedup}
+
+    result = {"rows": [row("new", 2, 1.15), row("new", 4, 0.9), row("old", 2, 1.0), row("old", 4, 1.05)]}
+    for name, folder in folders.items():
+        record_fastest(result, "eagle", str(folder), "test", several=True)
+    recorded = {name: json.loads((folder / "config.json").read_text())["specdec"]["defaults"]
+                for name, folder in folders.items()}
+    assert (recorded["new"]["num_draft_tokens"], recorded["new"]["speedup_vs_plain"]) == (2, 1.15)
+    assert (recorded["old"]["num_draft_tokens"], recorded["old"]["speedup_vs_plain"]) == (4, 1.05)

@@ -785,19 +785,23 @@ def run_bench_command(args) -> int:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
-        for name, folder in requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else []):
+        entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else [])
+        for name, folder in entries:
             record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
-                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads")
+                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
+                           several=sum(other == name for other, _ in entries) > 1)
     return 0 if result["outputs_identical"] is not False else 1
 
 
-def record_fastest(result: dict, name: str, folder: str, measured_on: str) -> dict | None:
-    """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults)."""
+def record_fastest(result: dict, name: str, folder: str, measured_on: str, several: bool = False) -> dict | None:
+    """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults).
+    ``several``: other folders of the method were measured too; only this folder's rows (their labels name
+    it, ``drafter_note``) count."""
     from specdec.commands.clitools import write_atomic
     from specdec.models.kernels import cpu_summary
 
     rows = [r for r in result["rows"] if r["impl"] == "specdec" and r["family"] == name and r["batch_size"] == 1
-            and r["speedup_vs_plain"]]
+            and r["speedup_vs_plain"] and (not several or f"({Path(folder).name}" in r["method"])]
     best = max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
     if best is None:
         return None
