@@ -134,3 +134,25 @@ for task in sharegpt humaneval; do
   python -m specdec.commands.llamacpp --target smollm2-135m-q4_1 --tasks $task --num-prompts 10 --max-new-tokens 128 \
     -k 4 --threads 2 --json $OUT/llamacpp-q4_1-$task-s8.json
 done
+
+# Ninth session (AMD EPYC family 25 model 17, Zen 4; 2 threads): EAGLE-1 continued on the target's own answers,
+# draft vocabularies for the draft model, DFlash and DSpark, grouped prefill
+# the target's answers (48 min) and their features, layers 2/15/27 and the final one (21 min, 4.0 GiB)
+echo '{"source": "sharegpt-self", "train_sequences": 2048, "prefix_len": 256, "generated_len": 192}' > self.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config self.json --data-dir runs/data \
+  --out runs/cache-build/out --ckpt-dir runs/cache-build/ckpt --threads 2 --max-minutes 0
+cp -r $D/eagle runs/s9/eagle-old   # the folder before, for the side-by-side run
+echo '{"head_vocab": 8192, "optim": {"steps": 1920, "lr": 6e-4, "warmup_steps": 20, "eval_every": 384}}' > eagle-self.json
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config eagle-self.json \
+  --init-from $D/eagle --data-dir runs/data --out runs/s9/eagle-self/out --ckpt-dir runs/s9/eagle-self/ckpt \
+  --threads 2 --max-minutes 46   # 32.8 min; then copied into $D/eagle
+for method in dflash dspark draft; do cp -r $D/$method runs/s9/$method-full; done   # before the file
+for method in dflash dspark draft; do specdec train draft-vocab --drafter $D/$method --target smollm2-135m; done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
+  -k 2 --draft $D/draft --drafters eagle=runs/s9/eagle-self/out eagle=runs/s9/eagle-old dflash dflash=runs/s9/dflash-full \
+  dspark dspark=runs/s9/dspark-full --block-sizes 8 --no-transformers --threads 2 --record --output $OUT/real-bench-s9.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
+  -k 2 --draft runs/s9/draft-full --no-transformers --threads 2 --output $OUT/real-bench-draft-full-s9.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
+  --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
+  --in-process --output $OUT/dspark-serve-s9.json
