@@ -112,7 +112,7 @@ class Objective:
         self.config, self.frozen, self.layers = config, frozen, layers
         # EAGLE-1 over a draft vocabulary: its target ids, and those rows of the target's head
         self.rows = rows
-        self.head = frozen.head if rows is None else frozen.head[rows].contiguous()
+        self.head = frozen.head_rows(rows)
 
     def draft_ids(self, net: eagle.EagleNet) -> torch.Tensor:
         return self.rows if self.rows is not None else net.draft_ids()
@@ -256,7 +256,7 @@ def eagle1_vocabulary(config: EagleTrainConfig, train, vocab: int, log) -> tuple
     vocabulary: ``init_from``'s file where it has one (the drafter learnt those rows), else the
     ``head_vocab`` most frequent tokens of the training data."""
     from specdec.drafters.base import DRAFT_VOCAB_FILE, read_draft_vocabulary
-    from specdec.train.features import vocabulary_coverage
+    from specdec.train.features import draft_vocab_text, vocabulary_coverage
 
     ids = read_draft_vocabulary(config.init_from, vocab) if config.init_from else None
     if ids is not None:
@@ -267,9 +267,7 @@ def eagle1_vocabulary(config: EagleTrainConfig, train, vocab: int, log) -> tuple
         ids, coverage = draft_vocabulary(train, config.head_vocab, vocab)
         source = f"the EAGLE-1 training data ({config.source}), {train.tokens.shape[0]} sequences"
     log(f"[eagle] next-token loss over {ids.numel()} of {vocab} tokens ({coverage:.1%} of the training tokens)")
-    record = {"ids": ids.tolist(), "size": int(ids.numel()), "coverage": round(coverage, 4),
-              "counted_tokens": train.num_tokens, "source": source}
-    return ids, coverage, {DRAFT_VOCAB_FILE: json.dumps(record)}
+    return ids, coverage, {DRAFT_VOCAB_FILE: draft_vocab_text(ids, coverage, train.num_tokens, source)}
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,

@@ -252,7 +252,7 @@ def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> tuple[torch
     tokens among them): EAGLE-3's draft vocabulary, and draft_vocab.json's."""
     counts = token_counts(sequences, vocab)
     ids = counts.topk(size).indices.sort().values
-    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids, share_of(counts, ids)
 
 
 def token_counts(sequences: Sequences, vocab: int) -> torch.Tensor:
@@ -260,10 +260,22 @@ def token_counts(sequences: Sequences, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens[valid], minlength=vocab)
 
 
+def share_of(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    return float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
 def vocabulary_coverage(sequences: Sequences, ids: torch.Tensor, vocab: int) -> float:
     """The share of the sequences' tokens among ``ids``."""
-    counts = token_counts(sequences, vocab)
-    return float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return share_of(token_counts(sequences, vocab), ids)
+
+
+def draft_vocab_text(ids: torch.Tensor, coverage: float, counted_tokens: int, source: str) -> str:
+    """draft_vocab.json's text: the ids, their number, the share of the counted tokens they cover, and
+    where those tokens came from."""
+    import json
+
+    return json.dumps({"ids": ids.tolist(), "size": int(ids.numel()), "coverage": round(coverage, 4),
+                       "counted_tokens": counted_tokens, "source": source})
 
 
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
@@ -300,9 +312,10 @@ def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count
     tokenizer = load_tokenizer(target_dir)
     text = sharegpt_text(tokenizer, count, max_len, seed, chat_pad(target_dir, tokenizer))
     ids, coverage = draft_vocabulary(text, size, vocab)
-    record = {"ids": ids.tolist(), "size": size, "coverage": round(coverage, 4), "counted_tokens": text.num_tokens,
-              "source": f"ShareGPT train text, {text.tokens.shape[0]} conversations cut at {max_len} tokens, seed {seed}"}
-    write_text_atomic(drafter_dir / DRAFT_VOCAB_FILE, json.dumps(record))
+    written = draft_vocab_text(ids, coverage, text.num_tokens, f"ShareGPT train text, {text.tokens.shape[0]} "
+                               f"conversations cut at {max_len} tokens, seed {seed}")
+    write_text_atomic(drafter_dir / DRAFT_VOCAB_FILE, written)
+    record = json.loads(written)
     log(f"[draft-vocab] {size} of {vocab} tokens cover {record['coverage']:.1%} of {record['counted_tokens']:,} "
         f"training tokens; written to {drafter_dir / DRAFT_VOCAB_FILE}")
     return record
@@ -341,8 +354,15 @@ class FrozenTarget:
         self.model = load_frozen_target(target_dir)
         self.embed = self.model.get_input_embeddings().weight.detach()     # [V, H]
         self.head = self.model.get_output_embeddings().weight.detach()     # [V, H]
+        self._rows: tuple[torch.Tensor | None, torch.Tensor] = (None, self.head)  # the last rows asked, their head
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.cache = cache
+
+    def head_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """Those rows of the head (all: None), gathered once for a run that asks for the same rows each step."""
+        if rows is not self._rows[0]:
+            self._rows = (rows, self.head if rows is None else self.head[rows].contiguous())
+        return self._rows[1]
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor | None = None,
@@ -355,7 +375,7 @@ class FrozenTarget:
             features, final = found
             if at is not None:
                 final = final.gather(1, at[:, :, None].expand(-1, -1, final.shape[2]))
-            return features, final @ (self.head if rows is None else self.head[rows]).t()
+            return features, final @ self.head_rows(rows).t()
         out = self.model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         logits = out.logits.float() if rows is None else out.logits[..., rows].float()
@@ -438,7 +458,7 @@ class FeatureCache:
                 done_path.unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
             write_text_atomic(tokens_path, digest)
-            done = set(json.loads(done_path.read_text())) if done_path.is_file() and path.is_file() else set()
+            done = self.finished(name)
             todo = [start for start in chunks if start not in done]
             if todo:
                 log(f"[features] {name}: {len(self.layers)} layers x {seqs.tokens.shape[0]} sequences x "
