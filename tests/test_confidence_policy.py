@@ -279,6 +279,36 @@ def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_
         assert choices == ([4, 4, 0, 0, 0, 0] if confident < 0.5 else [4] * 6), (confident, choices)
 
 
+def test_scheduler_corrects_confidences_that_promise_more_than_the_target_grants():
+    """A confidence head that says 0.9 where the target accepts nothing (another domain, another
+    temperature): after a few observed steps the scheduler's survivals fall to what it saw, its cuts
+    empty and it stops drafting. The same confidences, borne out, keep it drafting."""
+    table = flat_table(1.0, 1.05, 1.1, 1.15, 1.2, sizes=(1, 2, 4, 8))
+    for granted in (0, 4):
+        policy = prepared(ConfidenceScheduler(table=table, patience=2, explore=100))
+        group, choices, kept = stub_group(4), [], []
+        for step in range(24):
+            k = policy.draft_tokens(None, group)
+            choices.append(k)
+            if not k:
+                policy.observe(None, group, 0, None, None, {"draft": 0.0, "step": 4.0})
+                continue
+            proposal = Proposal(torch.randint(0, 300, (4, k)), torch.full((4,), k),
+                                confidence=torch.full((4, k), 0.9))
+            lengths = policy.cut(None, group, proposal).lengths
+            kept.append(int(lengths.sum()))
+            width = int(lengths.max())
+            policy.observe(None, group, width, lengths.tolist(), lengths.clamp(max=granted).tolist(),
+                           {"draft": 0.0, "step": 4.0 * table[1, width + 1]})
+        assert kept[0] == 16  # before any outcome the drafter's word is taken: 0.9, .81, .73, .66 pay
+        if granted:
+            assert choices == [4] * 24 and min(kept) == 16, (choices, kept)
+            assert float(policy.correction(4).min()) > 0.99
+        else:
+            assert kept[-1] == 0 and choices[-8:] == [0] * 8, (choices, kept)
+            assert float(policy.correction(1)[0]) < 0.5
+
+
 # Sampling: the output follows the target's own distribution --------------------------------------------
 def cut_chain(draft: torch.Tensor, cut, rows: int = 4, batches: int = 10000, seed: int = 0):
     """Batches of ``rows`` rows, each drafting 2 tokens from ``draft`` [2, V] and verified against TARGET

@@ -252,27 +252,35 @@ class ConfidenceScheduler(LoadAware):
     stopping at the first slot that does not raise them (``admit_by_survival``).
 
     Costs are LoadAware's: the profiled T(rows, width) of the dense verification block (width = 1 +
-    the longest row kept), the drafting cost and the overhead observed online. Drafting runs at k
-    every step, except after ``patience`` losing steps in a row: steps whose expected rate as cut
-    (the kept drafts' survivals, the drafting spent included) is below a plain step's, an empty cut
-    among them. Then steps decode plainly (no drafting cost), drafting again once every ``explore``
-    steps to look. The expectation reads confidences and costs only, never whether a draft was
-    right, so stopping stays lossless too. A probe costs a whole drafting pass, more than a plain step
-    under load: each probe that still loses doubles the wait before the next (up to ``longest_wait``
-    steps), and one that wins restores ``explore``.
+    the longest row kept), the drafting cost and the overhead observed online. Survivals are the
+    drafter's, corrected per position by what earlier steps observed: the accepted drafts at position j
+    over the survivals the admitted slots there had predicted (a prior of ``trust`` slots at a ratio of 1),
+    then made non-increasing along the row again. A confidence head that promises more than the target
+    grants (another domain, another temperature) so stops buying drafts that do not pay.
+    Drafting runs at k every step, except after ``patience`` losing steps in a row: steps whose
+    expected rate as cut (the kept drafts' corrected survivals, the drafting spent included) is below
+    a plain step's, an empty cut among them. Then steps decode plainly (no drafting cost), drafting
+    again once every ``explore`` steps to look. The decisions read confidences, costs and earlier
+    steps' outcomes only, never whether this step's drafts are right, so they stay lossless. A probe
+    costs a whole drafting pass, more than a plain step under load: each probe that still loses
+    doubles the wait before the next (up to ``longest_wait`` steps), and one that wins restores
+    ``explore``.
     """
 
     name = "confidence"
-    wants_counts = False  # the drafter's confidence replaces the acceptance observed per position
+    wants_counts = True  # each row's accepted drafts correct the confidences' survivals
     needs_confidence = True
 
     def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, longest_wait: int = 256,
-                 **options):
+                 trust: float = 8.0, **options):
         super().__init__(max_draft_tokens, **options)
-        self.patience, self.longest_wait = patience, longest_wait
+        self.patience, self.longest_wait, self.trust = patience, longest_wait, trust
         self.losing = 0  # steps in a row whose expected rate, drafting included, was below plain decoding's
         self.wait = self.explore  # plain steps before the next probe
         self.probing = False
+        self.predicted: list[float] = []  # decayed sums per position: admitted slots' survivals
+        self.observed: list[float] = []   # ... and the drafts accepted there
+        self.pending: torch.Tensor | None = None  # this step's kept survivals per position [width]
 
     def prepare(self, engine) -> None:
         require_confidence_head(engine, self.name)
@@ -289,15 +297,28 @@ class ConfidenceScheduler(LoadAware):
         self.last_choice = k
         return k
 
+    def correction(self, width: int) -> torch.Tensor:
+        """Per position j < width: accepted over predicted survival on earlier steps (1 before any)."""
+        ratios = [(self.observed[j] + self.trust) / (self.predicted[j] + self.trust) if j < len(self.predicted)
+                  else 1.0 for j in range(width)]
+        return torch.tensor(ratios, dtype=torch.float64)
+
+    def corrected(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Survivals [B, k] scaled by the observed correction, clamped to [0, 1] and non-increasing."""
+        survival = (survivals(confidence) * self.correction(confidence.shape[1])).clamp(0.0, 1.0)
+        return survival.cummin(1).values if survival.shape[1] else survival
+
     def cut(self, engine, group, proposal: Proposal) -> Proposal:
         confidence = proposal_confidence(engine, proposal, self.name)
         rows, width = proposal.tokens.shape[0], min(proposal.k, self.k_max)
         drafting = proposal.k * self.nearest(self.draft_cost, rows)  # spent already, in every choice alike
         costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
                               for n in range(width + 1)], dtype=torch.float64)
-        lengths = admit_by_survival(confidence[:, :width], proposal.lengths.clamp(max=width), costs)
-        survival = survivals(confidence[:, :width])
+        raw = survivals(confidence[:, :width])
+        survival = self.corrected(confidence[:, :width])
+        lengths = admit_by_survival(survival, proposal.lengths.clamp(max=width), costs, cumulative=True)
         kept = torch.arange(width) < lengths.cpu()[:, None]
+        self.pending = (raw * kept).sum(0)
         expected = (rows + float((survival * kept).sum())) / float(costs[int(lengths.max()) if rows else 0])
         plain = rows / (self.verify_seconds(rows, 1) + self.nearest(self.overhead[False], rows))
         self.losing = 0 if expected > plain else self.losing + 1
@@ -307,6 +328,20 @@ class ConfidenceScheduler(LoadAware):
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         self.observe_costs(group.size, width, self.last_choice, timing)
+        if self.pending is not None and accepted is not None:
+            self.count_survival(self.pending, accepted)
+        self.pending = None
+
+    def count_survival(self, predicted: torch.Tensor, accepted: list[int]) -> None:
+        """Fold one step's predicted survivals per position (the kept slots' sums) and accepted drafts
+        per row into the correction."""
+        width = predicted.shape[0]
+        while len(self.predicted) < width:
+            self.predicted.append(0.0)
+            self.observed.append(0.0)
+        for j in range(width):
+            self.predicted[j] = self.decay * self.predicted[j] + float(predicted[j])
+            self.observed[j] = self.decay * self.observed[j] + sum(a > j for a in accepted)
 
 
 def survivals(confidence: torch.Tensor) -> torch.Tensor:
@@ -314,14 +349,16 @@ def survivals(confidence: torch.Tensor) -> torch.Tensor:
     return confidence.detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)
 
 
-def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
+def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor,
+                      cumulative: bool = False) -> torch.Tensor:
     """Drafts kept per row [B]: slots (r, j) in descending survival s[r, j] = c[r, 0] ... c[r, j]
     (ties: the lower position first, then the lower row), each admitted while the rate
     (B + sum of admitted survivals) / costs[longest row admitted] rises; the first slot that does
     not raise it ends the search.
 
     confidence: [B, k] c[r, j] = P(draft j accepted | drafts before it were); lengths: [B] drafts
-    each row has; costs: [k + 1] seconds of a step verifying n = 0..k drafts per row.
+    each row has; costs: [k + 1] seconds of a step verifying n = 0..k drafts per row. cumulative: the
+    first argument holds the survivals s[r, j] themselves (non-increasing along each row).
 
     Survival falls along a row, so this order is the one of always taking the best next slot of any
     row: a row's kept drafts are a prefix, and with the stop at the first drop the decision is that
@@ -333,7 +370,7 @@ def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: to
     rows, k = confidence.shape
     if not k:
         return torch.zeros_like(lengths)
-    survival = survivals(confidence)  # [B, k]
+    survival = confidence.to("cpu", torch.float64) if cumulative else survivals(confidence)  # [B, k]
     drafted = torch.arange(k) < lengths.cpu()[:, None]
     survival = torch.where(drafted, survival, -1.0)  # slots a row did not draft are never worth admitting
     by_position = survival.T.reshape(-1)  # [k * B], slot (r, j) at j * B + r
