@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 import specdec
 from specdec.drafters import DFlash, DSpark
@@ -214,8 +215,6 @@ def test_confidence_reads_only_the_drafts_before_each_slot(model_dirs, dspark_di
 
 
 def test_layout_serving_engines_load(dspark_dirs):
-    from safetensors.torch import load_file
-
     folder = dspark_dirs["qwen3"]
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == BLOCK
@@ -328,6 +327,15 @@ def test_training_lowers_the_loss_calibrates_and_decodes_exactly(tmp_path):
     # the offline metric of the folder from the command line
     assert main(["train", "evaluate", "--drafter", str(out), "--target", str(zoo_path("target")),
                  "--heldout", "4", "--cache-dir", str(out / "checkpoints")]) == 0
+    # continued from the folder (new data): at a learning rate of 0 every weight, the Markov and confidence
+    # heads included, leaves as it came
+    (tmp_path / "frozen.json").write_text(json.dumps({"optim": {"lr": 0.0, "steps": 2, "eval_every": 100}}))
+    assert main(["train", "dspark", "--target", str(zoo_path("target")), "--preset", "tiny", "--out",
+                 str(tmp_path / "again"), "--config", str(tmp_path / "frozen.json"), "--init-from", str(out)]) == 0
+    before, after = (load_file(str(folder / "model.safetensors")) for folder in (out, tmp_path / "again"))
+    assert set(before) == set(after) and any(name.startswith("markov_head.") for name in before)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert json.loads((tmp_path / "again" / "training_summary.json").read_text())["initialised_from"] == str(out)
 
 
 def test_bench_measures_dspark_beside_dflash_greedy_and_sampled(model_dirs, dspark_dirs, tmp_path):

@@ -116,7 +116,7 @@ def test_offline_metric_is_what_inference_accepts(tmp_path):
     assert tokens / steps == pytest.approx(metric["b4_tau"], rel=0.03)
 
 
-@pytest.mark.parametrize("method", ["dflash", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle", "eagle3"])
 def test_cli_refuses_init_from_without_a_folder(method, tmp_path, capsys):
     code = main(["train", method, "--target", str(zoo_path("target")), "--out", str(tmp_path / "o"),
                  "--preset", "tiny", "--init-from", str(tmp_path / "nothing")])
