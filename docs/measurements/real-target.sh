@@ -156,3 +156,23 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
   --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
   --in-process --output $OUT/dspark-serve-s9.json
+
+# Tenth session (AMD EPYC family 25 model 17, Zen 4; 2 threads): EAGLE-3, DFlash and DSpark continued on the
+# target's own answers (the ninth session's data and 4-layer feature cache in runs/data), the scheduler corrected
+echo '{"train_sequences": 2048, "ttt_steps": 3, "optim": {"steps": 400, "lr": 6e-4, "warmup_steps": 15, "eval_every": 100}}' > eagle3-self.json
+cp -r $D/eagle3 runs/s10/old/eagle3   # the folder before, for the side-by-side run
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3-self.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s10/eagle3-self/out --ckpt-dir runs/s10/eagle3-self/ckpt --threads 2 --max-minutes 55
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
+  -k 2 3 --drafters eagle3=runs/s10/eagle3-self/out eagle3=runs/s10/old/eagle3 eagle --no-transformers --threads 2 \
+  --output $OUT/real-bench-eagle3-s10.json   # then copied into $D/eagle3
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-s10.json
+# DFlash and DSpark on equal CPU budgets (about 20 min each: 3.4 and 6.2 s a step measured, so 340 and 190 steps)
+for run in dflash:340:15:170 dspark:190:10:95; do IFS=: read m steps warmup every <<< "$run"
+  echo "{\"source\": \"sharegpt-self\", \"train_sequences\": 2048, \"prefix_len\": 256, \"generated_len\": 192, \"optim\": {\"steps\": $steps, \"lr\": 6e-4, \"warmup_steps\": $warmup, \"eval_every\": $every}}" > $m-self.json
+  cp -r $D/$m runs/s10/old/$m
+  specdec train $m --target smollm2-135m --preset $m-sharegpt --config $m-self.json --init-from $D/$m --data-dir runs/data \
+    --out runs/s10/$m-self/out --ckpt-dir runs/s10/$m-self/ckpt --threads 2 --max-minutes 24
+done
