@@ -176,3 +176,9 @@ for run in dflash:340:15:170 dspark:190:10:95; do IFS=: read m steps warmup ever
   specdec train $m --target smollm2-135m --preset $m-sharegpt --config $m-self.json --init-from $D/$m --data-dir runs/data \
     --out runs/s10/$m-self/out --ckpt-dir runs/s10/$m-self/ckpt --threads 2 --max-minutes 24
 done
+# EAGLE-1 from scratch on the text and on the target's answers, 8 minutes each (runs/s10/eagle-cmp.sh)
+echo '{"head_vocab": 8192, "optim": {"steps": 420, "lr": 2e-3, "warmup_steps": 30, "eval_every": 210}}' > eagle-cmp.json
+for preset in eagle-sharegpt eagle-sharegpt-self; do
+  specdec train eagle --target smollm2-135m --preset $preset --config eagle-cmp.json --data-dir runs/data \
+    --out runs/s10/cmp-$preset/out --ckpt-dir runs/s10/cmp-$preset/ckpt --threads 2 --max-minutes 8
+done
