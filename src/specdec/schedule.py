@@ -303,9 +303,10 @@ class ConfidenceScheduler(LoadAware):
                   else 1.0 for j in range(width)]
         return torch.tensor(ratios, dtype=torch.float64)
 
-    def corrected(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Survivals [B, k] scaled by the observed correction, clamped to [0, 1] and non-increasing."""
-        survival = (survivals(confidence) * self.correction(confidence.shape[1])).clamp(0.0, 1.0)
+    def corrected(self, survival: torch.Tensor) -> torch.Tensor:
+        """The drafter's survivals [B, k] scaled by the observed correction, clamped to [0, 1] and
+        non-increasing."""
+        survival = (survival * self.correction(survival.shape[1])).clamp(0.0, 1.0)
         return survival.cummin(1).values if survival.shape[1] else survival
 
     def cut(self, engine, group, proposal: Proposal) -> Proposal:
@@ -315,7 +316,7 @@ class ConfidenceScheduler(LoadAware):
         costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
                               for n in range(width + 1)], dtype=torch.float64)
         raw = survivals(confidence[:, :width])
-        survival = self.corrected(confidence[:, :width])
+        survival = self.corrected(raw)
         lengths = admit_by_survival(survival, proposal.lengths.clamp(max=width), costs, cumulative=True)
         kept = torch.arange(width) < lengths.cpu()[:, None]
         self.pending = (raw * kept).sum(0)
