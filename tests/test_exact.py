@@ -221,6 +221,25 @@ def test_kernels_match_their_definition(dtype):
                           atol=tolerance * 10, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_products_without_a_norm_and_past_the_kept_work_memory_keep_each_rows_bits(dtype):
+    """Inputs packed straight from the rows (bfloat16 without a norm, odd K), and a block whose work memory
+    is too large to keep between calls (allocated for the call alone): every row as computed alone."""
+    generator = torch.Generator().manual_seed(5)
+    for M, K, N in ((19, 37, 40), (4000, 601, 18)):  # 4000 x 601: over 8 MiB of packed inputs
+        x = torch.randn(M, K, generator=generator).to(dtype)
+        w = torch.randn(K, N, generator=generator).to(dtype)
+        matrix = kernels.Matrix.pack(w)
+        y = kernels.linear(x, matrix)
+        assert torch.allclose(y.double(), x.double() @ w.double(), atol=0.5 if dtype == torch.bfloat16 else 1e-3,
+                              rtol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+        for start, rows in ((0, 1), (3, 2), (M - 17, 17), (M // 2, 16)):
+            assert torch.equal(kernels.linear(x[start:start + rows], matrix), y[start:start + rows])
+        spaced = torch.zeros(M, K + 5, dtype=dtype)  # rows 5 elements apart
+        spaced[:, :K] = x
+        assert torch.equal(kernels.linear(spaced[:, :K], matrix), y)
+
+
 def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch):
     """kernels.c's AVX2 code and its plain-C fallback perform the same operations element by element."""
     portable = kernels.load_library(kernels.build(native=False))

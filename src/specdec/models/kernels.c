@@ -326,19 +326,27 @@ static void pack_rows(const float* xf, long M, long K, float* xt) {
 }
 
 #if defined(SD_BF16_DOT)
-/* x [M, K] (bfloat16 values held as float32) -> pairs, block by block, each block [ceil(K/2)][R]:
- * the word of (k, k + 1) holds x[k]'s bits low, x[k + 1]'s high (0 past the end). */
-static void pack_pairs(const float* xf, long M, long K, uint32_t* xt) {
-    long blocks = wide_blocks(M), K2 = (K + 1) / 2;
+/* x [M, K] bfloat16 (row stride ldx) -> pairs, block by block, each block [ceil(K/2)][R]: the word
+ * of (k, k + 1) holds x[k]'s bits low, x[k + 1]'s high (0 past the end); a NaN quieted as to_bf16
+ * quiets it, so the words are what rounding the widened row would give. */
+static inline uint32_t quiet_pair(uint32_t w) {
+    if ((w & 0x7fffu) > 0x7f80u) w |= 0x40u;
+    if ((w & 0x7fff0000u) > 0x7f800000u) w |= 0x400000u;
+    return w;
+}
+static void pack_pairs(const uint16_t* x, long ldx, long M, long K, uint32_t* xt) {
+    long blocks = wide_blocks(M), K2 = (K + 1) / 2, whole = K / 2;
     for (long b = 0; b < blocks; b++) {
         long m0 = row_start(M, blocks, b), R = row_start(M, blocks, b + 1) - m0;
         uint32_t* block = xt + m0 * K2;
         for (long r = 0; r < R; r++) {
-            const float* row = xf + (m0 + r) * K;
-            for (long k = 0; k < K2; k++) {
-                uint32_t lo = to_bf16(row[2 * k]), hi = 2 * k + 1 < K ? to_bf16(row[2 * k + 1]) : 0;
-                block[k * R + r] = lo | hi << 16;
+            const uint16_t* row = x + (m0 + r) * ldx;
+            for (long k = 0; k < whole; k++) {
+                uint32_t w;
+                memcpy(&w, row + 2 * k, 4);
+                block[k * R + r] = quiet_pair(w);
             }
+            if (whole < K2) block[whole * R + r] = quiet_pair(row[K - 1]);
         }
     }
 }
@@ -352,6 +360,13 @@ static int bf16_dot(int dtype) {
 #endif
 }
 
+/* Panels a row-block loop keeps in L2 (about 256 KiB of weights), or 0 when one block takes all. */
+static long linear_group(long M, long K, int dtype) {
+    if (wide_blocks(M) == 1) return 0;
+    long group = (long)(262144 / (K * NR * esize(dtype)));
+    return group < 8 ? 8 : group;
+}
+
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
                           long p0, long p1) {
     float acc[WIDE_ROWS * 8 * NR];
@@ -362,8 +377,7 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
     const wide_fn(*tiles)[9] = o->dtype == BF16 ? wide_tiles_bf16 : o->dtype == F16 ? wide_tiles_f16 : wide_tiles_f32;
     /* Panels outer, row blocks inner: a group of panels (about 256 KiB) stays in L2 while every
        block uses it; a single block takes the whole range at once. */
-    long group = blocks == 1 ? p1 - p0 : (long)(262144 / (pstride * wsize));
-    if (group < 8) group = 8;
+    long group = blocks == 1 ? p1 - p0 : linear_group(M, K, o->dtype);
     for (long p = p0; p < p1; p += group) {
         long end = p + group < p1 ? p + group : p1;
         for (long b = 0; b < blocks; b++) {
@@ -574,6 +588,44 @@ static void run_parallel(job_fn fn, void* arg, int parts) {
     while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) cpu_relax();
 }
 
+/* Work memory kept per thread between calls, grown as needed (up to SCRATCH_KEEP bytes; larger
+ * requests, a long prefill's, are allocated and freed per call). Allocating and freeing a product's
+ * buffers on every call let the allocator return the pages to the system and fault them in again:
+ * page clearing showed in profiles of 16-row blocks. Freed when the thread exits. */
+enum { SCRATCH_PRODUCT, SCRATCH_ATTENTION, SCRATCH_SLOTS };
+#define SCRATCH_KEEP (8L << 20)
+struct scratch { void* p[SCRATCH_SLOTS]; size_t n[SCRATCH_SLOTS]; };
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_ready;
+static void scratch_release(void* held) {
+    struct scratch* sc = held;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(sc->p[i]);
+    free(sc);
+}
+static void scratch_init(void) { scratch_ready = pthread_key_create(&scratch_key, scratch_release) == 0; }
+/* `bytes` of work memory for `slot`, or NULL; *owned set when the caller must free it. */
+static void* scratch_get(int slot, size_t bytes, int* owned) {
+    *owned = 0;
+    pthread_once(&scratch_once, scratch_init);
+    struct scratch* sc = scratch_ready ? pthread_getspecific(scratch_key) : NULL;
+    if (scratch_ready && !sc && (sc = calloc(1, sizeof *sc)) != NULL && pthread_setspecific(scratch_key, sc)) {
+        free(sc);
+        sc = NULL;
+    }
+    if (!sc || bytes > (size_t)SCRATCH_KEEP) {
+        *owned = 1;
+        return malloc(bytes);
+    }
+    if (sc->n[slot] < bytes) {
+        free(sc->p[slot]);
+        sc->p[slot] = malloc(bytes);
+        sc->n[slot] = sc->p[slot] ? bytes : 0;
+    }
+    return sc->p[slot];
+}
+static void scratch_put(void* p, int owned) { if (owned) free(p); }
+
 struct linear_job {
     const void* wp; long M, K, N; const float* xs;  /* xs: x widened, in the layout linear_panels reads */
     struct linear_out out;
@@ -613,10 +665,18 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
 #else
     size_t copies = 1;
 #endif
-    float* xf = malloc(sizeof(float) * (size_t)(copies * M * K + M + 1));
+    int owned;
+    float* xf = scratch_get(SCRATCH_PRODUCT, sizeof(float) * (size_t)(copies * M * K + M + 1), &owned);
     if (!xf) return 1;
     float *scale = NULL, *xs = xf;
-    for (long m = 0; m < M; m++) widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
+    /* Pairs are packed from the bfloat16 rows themselves: widened rows are needed for a norm only. */
+#if defined(SD_BF16_DOT)
+    int widened = !bf16_dot(dtype) || norm_eps >= 0;
+#else
+    int widened = 1;
+#endif
+    if (widened)
+        for (long m = 0; m < M; m++) widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
     if (norm_eps >= 0) {
         scale = xf + copies * M * K;
         for (long m = 0; m < M; m++) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
@@ -624,7 +684,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
 #if defined(SD_WIDE)
     xs = xf + M * K;
 #if defined(SD_BF16_DOT)
-    if (bf16_dot(dtype)) pack_pairs(xf, M, K, (uint32_t*)xs);
+    if (bf16_dot(dtype)) pack_pairs((const uint16_t*)x, ldx, M, K, (uint32_t*)xs);
     else
 #endif
         pack_rows(xf, M, K, xs);
@@ -633,7 +693,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
     long panels = (N + NR - 1) / NR;
     run_parallel(linear_part, &job, product_parts(M * K * N, panels * NR * K * (long)esize(dtype), 2 * parallel_bytes,
                                                   panels));
-    free(xf);
+    scratch_put(xf, owned);
     return 0;
 }
 
@@ -955,7 +1015,8 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     if (K % 32 || !sd_qblock_bytes(wtype)) return 2;
     long nb = K / 32;
     size_t bytes = sizeof(float) * (size_t)(M * K + M + 2 * M * nb) + sizeof(int32_t) * (size_t)(M * nb) + (size_t)(M * K);
-    char* work = malloc(bytes + 64);
+    int owned;
+    char* work = scratch_get(SCRATCH_PRODUCT, bytes + 64, &owned);
     if (!work) return 1;
     float* xf = (float*)work;
     float* scale = xf + M * K;
@@ -974,7 +1035,7 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     /* int8 multiply-adds are about 4x cheaper than float32 FMAs */
     run_parallel(qlinear_part, &job, product_parts(M * K * N / 4, panels * nb * qblock_bytes(wtype), parallel_bytes,
                                                    panels));
-    free(work);
+    scratch_put(work, owned);
     return 0;
 }
 
@@ -1274,17 +1335,20 @@ static inline v8 load_key(const void* key, long d, int dtype) {
                                                                         : load_f16(key, d);
 }
 
-/* Scores of R query rows (float32 rows of D) against eight consecutive keys (float32 rows of D):
- * out[r * ldo + c] = scale * what dot_key gives (D % 8 == 0). Rows only share the key loads. */
+/* Scores of R query rows (float32 rows of D) against eight consecutive keys (rows of D in the
+ * cache's dtype, widened as they are loaded, which is exact): out[r * ldo + c] = scale * what
+ * dot_key gives (D % 8 == 0). Rows only share the key loads. */
 #define SCORE_TILE(R)                                                                              \
-static void score_tile_##R(const float* q, const float* keys, long D, float scale, float* out, long ldo) { \
+static inline __attribute__((always_inline)) void score_tile_##R(const float* q, const void* keys, int dtype, long D, \
+                                                                  float scale, float* out, long ldo) { \
     v8 acc[R][8];                                                                                  \
+    size_t kstride = D * esize(dtype);                                                             \
     for (int r = 0; r < R; r++) for (int c = 0; c < 8; c++) acc[r][c] = v_zero();                \
     for (long d = 0; d < D; d += 8) {                                                              \
         v8 qv[R];                                                                                  \
         for (int r = 0; r < R; r++) qv[r] = v_load(q + r * D + d);                                \
         for (int c = 0; c < 8; c++) {                                                              \
-            v8 kv = v_load(keys + c * D + d);                                                      \
+            v8 kv = load_key((const char*)keys + c * kstride, d, dtype);                           \
             for (int r = 0; r < R; r++) acc[r][c] = v_fma(qv[r], kv, acc[r][c]);                   \
         }                                                                                          \
     }                                                                                              \
@@ -1330,6 +1394,28 @@ VALUE_TABLE(bf16)
 VALUE_TABLE(f16)
 #endif
 
+/* score[r, t] for rows [0, rows) and keys [0, t8) (t8 a multiple of 8), the tiles specialised per dtype. */
+static inline __attribute__((always_inline)) void score_columns_as(const float* qf, long rows, const char* kbase,
+                                                                   int dtype, long D, long t8, float scale,
+                                                                   float* score, long T) {
+    size_t es = esize(dtype);
+    for (long t = 0; t < t8; t += 8) {
+        long r = 0;
+        const char* keys = kbase + t * D * es;
+#if SCORE_ROWS > 1
+        for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
+            score_tile_3(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
+#endif
+        for (; r < rows; r++) score_tile_1(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
+    }
+}
+static void score_columns(const float* qf, long rows, const char* kbase, int dtype, long D, long t8, float scale,
+                          float* score, long T) {
+    if (dtype == BF16) score_columns_as(qf, rows, kbase, BF16, D, t8, scale, score, T);
+    else if (dtype == F16) score_columns_as(qf, rows, kbase, F16, D, t8, scale, score, T);
+    else score_columns_as(qf, rows, kbase, F32, D, t8, scale, score, T);
+}
+
 /* Rows [r0, r1) of one key head's n x g query rows (row i * g + jj: position i, group member jj).
  * A row's result depends on nothing but its own query, so the rows may be split between threads. */
 static void attention_one(const struct attention_job* j, long b, long kvh, long r0, long r1, float* work) {
@@ -1340,7 +1426,6 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     float* acc = score + rows * T;     /* [rows, D] */
     float* vrow = acc + rows * D;      /* [D] */
     float* total = vrow + D;           /* [rows] */
-    float* kwide = total + rows;       /* [T, D]: the keys in float32 when they are stored narrower */
     size_t es = esize(dtype);
     for (long r = 0; r < rows; r++) {
         long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh;
@@ -1349,25 +1434,13 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
-    const float* keys = (const float*)kbase;
-    if (dtype != F32) {
-        for (long t = 0; t < T; t++) widen(kbase + t * D * es, D, dtype, kwide + t * D);
-        keys = kwide;
-    }
     /* Scores of the columns each row sees; the softmax over them in column order. */
     long t8 = D % 8 == 0 ? T / 8 * 8 : 0;  /* keys scored eight at a time */
-    for (long t = 0; t < t8; t += 8) {
-        long r = 0;
-#if SCORE_ROWS > 1
-        for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
-            score_tile_3(qf + r * D, keys + t * D, D, j->scale, score + r * T + t, T);
-#endif
-        for (; r < rows; r++) score_tile_1(qf + r * D, keys + t * D, D, j->scale, score + r * T + t, T);
-    }
+    if (t8) score_columns(qf, rows, kbase, dtype, D, t8, j->scale, score, T);
     for (long t = t8; t < T; t++) {
-        const float* key = keys + t * D;
+        const char* key = kbase + t * D * es;
         for (long r = 0; r < rows; r++)
-            if (!vis || vis[((r0 + r) / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, F32) * j->scale;
+            if (!vis || vis[((r0 + r) / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, dtype) * j->scale;
     }
     for (long r = 0; r < rows; r++) exp_row(score + r * T, vis ? vis + ((r0 + r) / g) * T : NULL, T);
     /* Each row's total in column order; eight rows' chains side by side. */
@@ -1443,7 +1516,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
 
 static size_t attention_work(const struct attention_job* j) {
     long rows = j->n * (j->heads / j->kv);
-    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + j->T * j->D + 8);
+    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + 8);
 }
 
 /* Work items: (batch row, key head, slice of its query rows); a part takes a contiguous range of them. */
@@ -1458,13 +1531,14 @@ static void attention_part(void* arg, int part, int parts) {
     long rows = j->n * (j->heads / j->kv), slices = j->slices;
     long items = j->B * j->kv * slices, p0 = items * part / parts, p1 = items * (part + 1) / parts;
     if (p0 >= p1) return;
-    float* work = malloc(attention_work(j));
+    int owned;
+    float* work = scratch_get(SCRATCH_ATTENTION, attention_work(j), &owned);
     if (!work) { atomic_store(&j->failed, 1); return; }
     for (long p = p0; p < p1; p++) {
         long pair = p / slices, slice = p % slices;
         attention_one(j, pair / j->kv, pair % j->kv, rows * slice / slices, rows * (slice + 1) / slices, work);
     }
-    free(work);
+    scratch_put(work, owned);
 }
 
 int sd_attention(const void* q, long ld_q, const void* keys, const void* values, long ld_b, long ld_h,
