@@ -1,41 +1,28 @@
-"""Interleaved A/B of whole forward passes (30 layers and the head, context 200) between two versions of
-kernels.c, built and loaded side by side: the library alternates every repetition, medians per block size,
-and the logits of both compared bitwise. On a machine whose speed drifts between runs (a shared host),
-only such interleaved ratios mean anything.
-python forward_ab.py THREADS MODEL A.c B.c REPS [Ms] [DTYPE]   e.g. A.c from `git show REV:src/specdec/models/kernels.c`"""
+"""Interleaved A/B of whole forward passes (context 200) against another build of kernels.c: min over 15, per block size. PB=BYTES sets this build's split threshold. python forward_ab.py THREADS DTYPE OTHER.so MODEL [Ms]"""
 import sys, time, torch
-from pathlib import Path
 from specdec.models import kernels
 from specdec.backends.target import load_target
-th, model, src_a, src_b, reps = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-Ms = [int(m) for m in sys.argv[6].split(",")] if len(sys.argv) > 6 else [1, 3, 8, 16]
-dtype = sys.argv[7] if len(sys.argv) > 7 else "bfloat16"
+th = int(sys.argv[1]); dtype = sys.argv[2]
 torch.set_num_threads(th)
-libs = []
-orig = kernels.SOURCE
-for src in (src_a, src_b):
-    text = Path(src).read_text()
-    if "sd_set_dynamic" not in text: text += "\nvoid sd_set_dynamic(int on) { (void)on; }\n"
-    tmp = Path(f"/tmp/ab_{len(libs)}.c"); tmp.write_text(text)
-    kernels.SOURCE = tmp
-    libs.append(kernels.load_library(kernels.build()))
-    libs[-1].sd_set_threads(th)
-kernels.SOURCE = orig
-kernels._library = libs[0]
-t = load_target(model, dtype=dtype, backend="native"); b = t.backend
+new = kernels.library(); old = kernels.load_library(sys.argv[3])
+for lib in (new, old): lib.sd_set_threads(th)
+import os
+if os.environ.get("PB"): new.sd_set_parallel_bytes(int(os.environ["PB"]))
+t = load_target(sys.argv[4], dtype=dtype, backend="native")
+b = t.backend
+Ms = [int(a) for a in (sys.argv[5] if len(sys.argv) > 5 else "1,2,4,5,8,16").split(",")]
 g = torch.Generator().manual_seed(0)
 cache = b.new_cache(1, 200 + 80)
 cache.forward(torch.randint(b.vocab_size, (1, 200), generator=g), None)
+print(kernels.cpu_summary(), sys.argv[4], dtype, th, "threads")
 for M in Ms:
     block = torch.randint(b.vocab_size, (1, M), generator=g)
-    times = {0: [], 1: []}; outs = {}
-    for rep in range(reps):
-        for v in ((0, 1) if rep % 2 == 0 else (1, 0)):
-            kernels._library = libs[v]
+    best = {"old": 1e9, "new": 1e9}
+    for rep in range(15):
+        for name, lib in (("old", old), ("new", new)):
+            kernels._library = lib
             s = time.perf_counter()
-            out = cache.forward(block, None, logits_to_keep=M)
-            times[v].append(time.perf_counter() - s)
+            cache.forward(block, None, logits_to_keep=M)
+            best[name] = min(best[name], time.perf_counter() - s)
             cache.truncate(cache.lengths - M)
-            outs[v] = (out[0] if isinstance(out, tuple) else out).clone()
-    med = {v: sorted(x)[len(x) // 2] * 1e3 for v, x in times.items()}
-    print(f"M={M:3d} A {med[0]:6.2f} ms  B {med[1]:6.2f} ms  B/A {med[1]/med[0]:.3f}  same={torch.equal(outs[0], outs[1])}", flush=True)
+    print(f"M={M:3d} old {1e3*best['old']:7.2f} ms  new {1e3*best['new']:7.2f} ms  new/old {best['new']/best['old']:.2f}", flush=True)
