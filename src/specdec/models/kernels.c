@@ -1177,8 +1177,25 @@ void sd_rope(void* x, long rows, long heads, long D, long ld_row, const float* t
     for (long r = 0; r < rows; r++) {
         const float* rot = table + positions[r] * half * 2;
         for (long h = 0; h < heads; h++) {
-            long at = r * ld_row + h * D;
-            for (long i = 0; i < half; i++) {
+            long at = r * ld_row + h * D, i = 0;
+#if defined(__AVX512F__)
+            /* Eight pairs at a time, the same products, difference and sum as the scalar loop:
+               lanes (a c, b c) and (b s, a s); even lanes subtract, odd lanes add (b c + a s). */
+            if (dtype != F16)
+                for (; i + 8 <= half; i += 8) {
+                    __m512 v = dtype == F32 ? _mm512_loadu_ps((const float*)x + at + 2 * i) : wide_bf16(x, at + 2 * i);
+                    __m512 cs = _mm512_loadu_ps(rot + 2 * i);
+                    __m512 p = _mm512_mul_ps(v, _mm512_moveldup_ps(cs));
+                    __m512 q = _mm512_mul_ps(_mm512_permute_ps(v, 0xB1), _mm512_movehdup_ps(cs));
+                    __m512 out = _mm512_mask_add_ps(_mm512_sub_ps(p, q), 0xAAAA, p, q);
+                    if (dtype == F32) _mm512_storeu_ps((float*)x + at + 2 * i, out);
+                    else {
+                        store8(x, at + 2 * i, _mm512_castps512_ps256(out), dtype);
+                        store8(x, at + 2 * i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)), dtype);
+                    }
+                }
+#endif
+            for (; i < half; i++) {
                 float a = load1(x, at + 2 * i, dtype), b = load1(x, at + 2 * i + 1, dtype);
                 float c = rot[2 * i], s = rot[2 * i + 1];
                 store1(x, at + 2 * i, a * c - b * s, dtype);
