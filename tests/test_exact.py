@@ -240,6 +240,22 @@ def test_products_without_a_norm_and_past_the_kept_work_memory_keep_each_rows_bi
         assert torch.equal(kernels.linear(spaced[:, :K], matrix), y)
 
 
+def test_products_of_mismatched_shapes_are_refused_before_the_kernel_reads_past_a_tensor():
+    matrix = kernels.Matrix.pack(torch.randn(8, 24))
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="input of size 24 for a product over 8 inputs"):
+        kernels.linear(torch.randn(3, 24), matrix)
+    with pytest.raises(ValueError, match="output"):
+        kernels.linear(x, matrix, out=torch.empty(2, 24))
+    with pytest.raises(ValueError, match="output"):
+        kernels.linear(x, matrix, out=torch.empty(3, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        kernels.linear(x, matrix, bias=torch.randn(8))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.linear(x, matrix, residual=torch.randn(2, 24))
+    assert torch.equal(kernels.linear(x, matrix), kernels.linear(x, matrix, out=torch.empty(3, 24)))
+
+
 def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch):
     """kernels.c's AVX2 code and its plain-C fallback perform the same operations element by element."""
     portable = kernels.load_library(kernels.build(native=False))

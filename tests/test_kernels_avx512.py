@@ -121,6 +121,32 @@ def test_silu_mul_matches_across_builds(builds, monkeypatch, dtype):
         assert_same(each_build(builds, monkeypatch, lambda: (kernels.silu_mul(gate_up),)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rope_matches_across_builds_and_its_definition(builds, monkeypatch, dtype):
+    """Pairs (2i, 2i + 1) rotated as a c - b s and a s + b c, products rounded before the sum: the
+    vector loops (eight pairs, four pairs) and the scalar tail alike."""
+    if dtype == torch.float16 and not all(lib.sd_has_half() for lib in builds.values()):
+        pytest.skip("a build without float16")
+    generator = torch.Generator().manual_seed(14)
+    for dim in (8, 16, 24, 64, 96):  # vector steps of eight and four pairs and a scalar tail
+        x = torch.randn(5, 3, dim, generator=generator).to(dtype)
+        table = torch.randn(40, dim // 2, 2, generator=generator)
+        positions = torch.tensor([0, 7, 3, 39, 12])
+
+        def compute():
+            y = x.clone()
+            kernels.rope(y, table, positions)
+            return (y,)
+
+        outs = each_build(builds, monkeypatch, compute)
+        assert_same(outs)
+        pairs, angle = x.float().view(5, 3, dim // 2, 2), table[positions][:, None]
+        a, b, c, s = pairs[..., 0], pairs[..., 1], angle[..., 0], angle[..., 1]
+        expected = torch.stack([a * c - b * s, a * s + b * c], dim=-1).view(5, 3, dim).to(dtype)
+        for name, (rotated,) in outs.items():
+            assert torch.equal(rotated, expected), name
+
+
 def test_bfloat16_pair_products_follow_their_definition():
     """AVX512-BF16's products: column chains over input pairs (0, 1), (2, 3), ... in order, odd K's
     last input alone. On values whose sums are exact in float32 every order agrees, so this pins the

@@ -182,3 +182,11 @@ for preset in eagle-sharegpt eagle-sharegpt-self; do
   specdec train eagle --target smollm2-135m --preset $preset --config eagle-cmp.json --data-dir runs/data \
     --out runs/s10/cmp-$preset/out --ckpt-dir runs/s10/cmp-$preset/ckpt --threads 2 --max-minutes 8
 done
+
+# Eleventh session (AMD EPYC family 25 model 17, Zen 4): kernels against the session's first build, interleaved
+git show 14b7eff:src/specdec/models/kernels.c > /tmp/k_s10.c
+C=~/.cache/specdec/models   # smollm2-135m (the safetensors folder) and smollm2-135m-q4_1 (the shipped GGUF), built on first use
+for th in 2 1; do for spec in "smollm2-135m bfloat16" "smollm2-135m-q4_1 bfloat16" "smollm2-135m float32"; do set -- $spec
+  python docs/measurements/forward_ab_sources.py $th $C/$1 /tmp/k_s10.c src/specdec/models/kernels.c 20 1,2,4,5,8,16,17,32,64 $2
+done; done   # -> measurements/forward-ab-s11.txt
+python docs/measurements/products_hot.py 2; python docs/measurements/block_times.py 2 bfloat16 $C/smollm2-135m 15

@@ -1194,6 +1194,14 @@ void sd_rope(void* x, long rows, long heads, long D, long ld_row, const float* t
                         store8(x, at + 2 * i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out), 1)), dtype);
                     }
                 }
+#elif defined(__AVX2__) && defined(__FMA__)
+            if (dtype != F16) /* four pairs at a time, the same way */
+                for (; i + 4 <= half; i += 4) {
+                    __m256 v = load8(x, at + 2 * i, dtype), cs = _mm256_loadu_ps(rot + 2 * i);
+                    __m256 p = _mm256_mul_ps(v, _mm256_moveldup_ps(cs));
+                    __m256 q = _mm256_mul_ps(_mm256_permute_ps(v, 0xB1), _mm256_movehdup_ps(cs));
+                    store8(x, at + 2 * i, _mm256_blend_ps(_mm256_sub_ps(p, q), _mm256_add_ps(p, q), 0xAA), dtype);
+                }
 #endif
             for (; i < half; i++) {
                 float a = load1(x, at + 2 * i, dtype), b = load1(x, at + 2 * i + 1, dtype);

@@ -435,10 +435,18 @@ def _rows(t: torch.Tensor) -> tuple[int, int]:
 def linear(x: torch.Tensor, w: Matrix | QMatrix, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
     """x [..., K] @ w (+ bias) (+ residual) -> [..., N]; rows RMS-normalised first when norm_eps is given."""
+    if x.shape[-1] != w.rows:
+        raise ValueError(f"input of size {x.shape[-1]} for a product over {w.rows} inputs")
     rows, ldx = _rows(x)
     if out is None:
         out = x.new_empty(*x.shape[:-1], w.cols)
-    _, ldy = _rows(out)
+    out_rows, ldy = _rows(out)
+    if out.shape[-1] != w.cols or out_rows != rows or out.dtype != x.dtype:
+        raise ValueError(f"output {tuple(out.shape)} {out.dtype} for {rows} rows of {w.cols} outputs in {x.dtype}")
+    for name, extra, width in (("bias", bias, w.cols), ("residual", residual, w.cols)):
+        if extra is not None and (extra.shape[-1] != width or extra.dtype != x.dtype
+                                  or (name == "residual" and _rows(extra)[0] != rows)):
+            raise ValueError(f"{name} {tuple(extra.shape)} {extra.dtype} for {rows} rows of {width} outputs in {x.dtype}")
     ldr = _rows(residual)[1] if residual is not None else 0
     if isinstance(w, QMatrix):
         status = library().sd_linear_q(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.code, w.cols,
