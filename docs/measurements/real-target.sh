@@ -190,3 +190,11 @@ for th in 2 1; do for spec in "smollm2-135m bfloat16" "smollm2-135m-q4_1 bfloat1
   python docs/measurements/forward_ab_sources.py $th $C/$1 /tmp/k_s10.c src/specdec/models/kernels.c 20 1,2,4,5,8,16,17,32,64 $2
 done; done   # -> measurements/forward-ab-s11.txt
 python docs/measurements/products_hot.py 2; python docs/measurements/block_times.py 2 bfloat16 $C/smollm2-135m 15
+# EAGLE-3 continued once more (53 min), then side by side with the folder before
+echo '{"train_sequences": 2048, "ttt_steps": 3, "optim": {"steps": 600, "lr": 4e-4, "warmup_steps": 10, "eval_every": 200}}' > eagle3-self.json
+cp -r $D/eagle3 runs/s11/old/eagle3
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3-self.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s11/eagle3/out --ckpt-dir runs/s11/eagle3/ckpt --threads 2 --max-minutes 55
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
+  -k 2 3 --drafters eagle3=runs/s11/eagle3/out eagle3=runs/s11/old/eagle3 eagle --no-transformers --threads 2 \
+  --output $OUT/real-bench-eagle3-s11.json   # then the fastest setting recorded (bench.record_fastest) and copied into $D/eagle3
