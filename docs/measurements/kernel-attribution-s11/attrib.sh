@@ -1,5 +1,6 @@
 #!/bin/bash
 # The same bench with the session's first kernels (14b7eff's source tree) and with HEAD's, alternating.
+# first: git worktree add /tmp/wt14 14b7eff (the session's first source tree)
 cd /work/main; . .venv/bin/activate
 for round in 1 2; do
   for side in old new; do
