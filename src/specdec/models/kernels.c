@@ -360,13 +360,6 @@ static int bf16_dot(int dtype) {
 #endif
 }
 
-/* Panels a row-block loop keeps in L2 (about 256 KiB of weights), or 0 when one block takes all. */
-static long linear_group(long M, long K, int dtype) {
-    if (wide_blocks(M) == 1) return 0;
-    long group = (long)(262144 / (K * NR * esize(dtype)));
-    return group < 8 ? 8 : group;
-}
-
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
                           long p0, long p1) {
     float acc[WIDE_ROWS * 8 * NR];
@@ -377,7 +370,8 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
     const wide_fn(*tiles)[9] = o->dtype == BF16 ? wide_tiles_bf16 : o->dtype == F16 ? wide_tiles_f16 : wide_tiles_f32;
     /* Panels outer, row blocks inner: a group of panels (about 256 KiB) stays in L2 while every
        block uses it; a single block takes the whole range at once. */
-    long group = blocks == 1 ? p1 - p0 : linear_group(M, K, o->dtype);
+    long group = blocks == 1 ? p1 - p0 : (long)(262144 / (pstride * wsize));
+    if (group < 8) group = 8;
     for (long p = p0; p < p1; p += group) {
         long end = p + group < p1 ? p + group : p1;
         for (long b = 0; b < blocks; b++) {

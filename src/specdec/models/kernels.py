@@ -441,13 +441,12 @@ def linear(x: torch.Tensor, w: Matrix | QMatrix, out: torch.Tensor | None = None
     if out is None:
         out = x.new_empty(*x.shape[:-1], w.cols)
     out_rows, ldy = _rows(out)
-    if out.shape[-1] != w.cols or out_rows != rows or out.dtype != x.dtype:
-        raise ValueError(f"output {tuple(out.shape)} {out.dtype} for {rows} rows of {w.cols} outputs in {x.dtype}")
-    for name, extra, width in (("bias", bias, w.cols), ("residual", residual, w.cols)):
-        if extra is not None and (extra.shape[-1] != width or extra.dtype != x.dtype
-                                  or (name == "residual" and _rows(extra)[0] != rows)):
-            raise ValueError(f"{name} {tuple(extra.shape)} {extra.dtype} for {rows} rows of {width} outputs in {x.dtype}")
-    ldr = _rows(residual)[1] if residual is not None else 0
+    ldr, res_rows = 0, rows
+    if residual is not None:
+        res_rows, ldr = _rows(residual)
+    for name, t, want_rows in (("output", out, out_rows), ("bias", bias, rows), ("residual", residual, res_rows)):
+        if t is not None and (t.shape[-1] != w.cols or t.dtype != x.dtype or want_rows != rows):
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} for {rows} rows of {w.cols} outputs in {x.dtype}")
     if isinstance(w, QMatrix):
         status = library().sd_linear_q(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.code, w.cols,
                                        _ptr(w.gain), _ptr(bias), _ptr(residual), ldr, out.data_ptr(), ldy,
