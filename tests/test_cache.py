@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.batch import Backlog, keep_rows
 
 
 def full_logits(model, rows):
@@ -101,3 +102,59 @@ def test_extended_caches_compute_what_each_row_computes_alone(targets):
             alone = target.new_cache(1, 40)
             expected, _ = target.forward(alone, torch.cat([prompt, step[row]])[None])
             assert torch.allclose(logits[row, -1], expected[0, -1], atol=1e-5), (arch, row)
+
+
+def test_keep_rows_moves_only_what_moves_and_keeps_order():
+    store = torch.arange(6.0)[:, None].repeat(1, 3)
+    kept = keep_rows(store, torch.tensor([0, 2, 5]))
+    assert kept is store and kept[:3, 0].tolist() == [0.0, 2.0, 5.0]  # in place, rows 3.. now free
+    other = torch.arange(4.0)[:, None]
+    shuffled = keep_rows(other, torch.tensor([3, 1]))
+    assert shuffled is not other and shuffled[:, 0].tolist() == [3.0, 1.0] and other[:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_backlog_keeps_each_rows_waiting_columns_in_order_through_leaves_and_joins():
+    """Against a plain list per row: what a row waits for is its valid columns, in the order they came."""
+    generator = torch.Generator().manual_seed(0)
+
+    def columns(batch, n):
+        states = torch.randn(batch, n, 3, generator=generator)
+        valid = torch.rand(batch, n, generator=generator) > 0.3
+        return states, valid
+
+    def check(backlog, expected):
+        states, valid = backlog.waiting()
+        assert backlog.batch_size == len(expected)
+        for b, row in enumerate(expected):
+            got = states[b][valid[b]] if states is not None else torch.zeros(0, 3)
+            assert torch.equal(got, torch.stack(row) if row else torch.zeros(0, 3)), b
+
+    def append(backlog, expected, n):
+        states, valid = columns(backlog.batch_size, n)
+        backlog.append(states, valid)
+        for b, row in enumerate(expected):
+            row.extend(states[b][valid[b]])
+
+    backlog, expected = Backlog(3), [[], [], []]
+    for n in (5, 1, 1, 2, 1, 1, 1):  # a prompt's columns, then steps: the buffer doubles, reused after clear
+        append(backlog, expected, n)
+    check(backlog, expected)
+    backlog.select_rows(torch.tensor([0, 2]))
+    expected = [expected[0], expected[2]]
+    check(backlog, expected)
+    newcomer, more = Backlog(2), [[], []]
+    append(newcomer, more, 20)  # joining rows wait for more columns than the others
+    backlog.extend(newcomer)
+    expected += more
+    check(backlog, expected)
+    append(backlog, expected, 1)
+    check(backlog, expected)
+    backlog.clear()
+    expected = [[] for _ in expected]
+    check(backlog, expected)
+    backlog.extend(Backlog(1))  # nothing waits on either side
+    expected.append([])
+    append(backlog, expected, 2)
+    check(backlog, expected)
+    backlog.select_rows(torch.tensor([4, 0]))  # out of order
+    check(backlog, [expected[4], expected[0]])

@@ -146,6 +146,57 @@ def test_ragged_batches_with_holes_rollback_and_compaction(name, models):
         assert (got - reference(hf_model, row)[-1]).abs().max() < ATOL
 
 
+def test_rows_leave_and_join_in_place_and_each_row_stays_exact(models):
+    """A serving batch: finished rows leave (the rows after them move up in the same buffer), new
+    rows join into the freed rows (copied there, nothing reallocated while they fit), one joins with
+    more columns than the buffer holds (it grows); every row's logits stay its own, alone."""
+    backend, hf_model = models["llama"]
+    vocab = backend.vocab_size
+    generator = torch.Generator().manual_seed(3)
+
+    def prompts(*lengths):
+        return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+    def prefill(rows, capacity):
+        cache = backend.new_cache(len(rows), capacity)
+        width = max(map(len, rows))
+        tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+        cache.forward(tokens, valid)
+        return cache
+
+    def step_and_check(cache, rows):
+        block = torch.randint(0, vocab, (len(rows), 2), generator=generator)
+        logits, _ = cache.forward(block, ones(block), logits_to_keep=2)
+        for b, row in enumerate(rows):
+            row += block[b].tolist()
+            assert (logits[b] - reference(hf_model, row)[-2:]).abs().max() < ATOL, b
+
+    rows = prompts(7, 3, 5, 9)
+    cache = prefill(rows, 40)
+    step_and_check(cache, rows)
+    store = cache.store.data_ptr()
+    cache.select_rows(torch.tensor([0, 2, 3]))  # row 1 leaves: rows 2 and 3 move up
+    rows = [rows[0], rows[2], rows[3]]
+    assert cache.store.data_ptr() == store and cache.kv.shape[2] == 3
+    step_and_check(cache, rows)
+    joining = prompts(4)
+    cache.extend(prefill(joining, 30))  # into the freed row
+    rows += joining
+    assert cache.store.data_ptr() == store and cache.kv.shape[2] == 4 and cache.grown == 0
+    step_and_check(cache, rows)
+    cache.select_rows(torch.tensor([3, 1]))  # out of order: a new buffer of those rows
+    rows = [rows[3], rows[1]]
+    step_and_check(cache, rows)
+    longer = prompts(30)
+    cache.extend(prefill(longer, 64))  # more columns than the buffer has: it grows
+    rows += longer
+    assert cache.capacity >= 64 and cache.kv.shape[2] == 3
+    for _ in range(2):
+        step_and_check(cache, rows)
+    assert torch.isfinite(cache.kv).all()
+
+
 def test_cache_grows_when_a_block_passes_its_capacity(models):
     backend, hf_model = models["llama"]
     sequence = list(range(3, 23))

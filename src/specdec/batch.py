@@ -56,16 +56,101 @@ class Sequences:
         self.lengths = torch.cat([self.lengths, other.lengths])
 
 
-def pad_columns(values: torch.Tensor, columns: int, fill, left: bool = False) -> torch.Tensor:
-    """values [B, T, ...] widened to ``columns`` along dim 1 with ``fill`` (on the right, or the left)."""
+def pad_columns(values: torch.Tensor, columns: int, fill) -> torch.Tensor:
+    """values [B, T, ...] widened to ``columns`` along dim 1 with ``fill`` on the right."""
     missing = columns - values.shape[1]
     if missing <= 0:
         return values
     pad = values.new_full((values.shape[0], missing, *values.shape[2:]), fill)
-    return torch.cat([pad, values] if left else [values, pad], dim=1)
+    return torch.cat([values, pad], dim=1)
 
 
-def cat_rows(first: torch.Tensor, second: torch.Tensor, fill=0, left: bool = False) -> torch.Tensor:
+def cat_rows(first: torch.Tensor, second: torch.Tensor, fill=0) -> torch.Tensor:
     """Rows of both [B, T, ...] tensors, the narrower one padded along dim 1 with ``fill``."""
     columns = max(first.shape[1], second.shape[1])
-    return torch.cat([pad_columns(first, columns, fill, left), pad_columns(second, columns, fill, left)])
+    return torch.cat([pad_columns(first, columns, fill), pad_columns(second, columns, fill)])
+
+
+def keep_rows(store: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``store`` with rows ``index`` (along ``dim``) first, for a batch whose rows leave.
+
+    Rows kept in order (the usual case: finished rows leave, the others stay in order) are moved in
+    place, each to or before where it was, so only the rows after the first gap are copied and the
+    same store comes back (its rows past len(index) are free). Any other order: a new store of just
+    those rows."""
+    rows = index.tolist()
+    if any(b <= a for a, b in zip(rows, rows[1:])):
+        return store.index_select(dim, index)
+    for slot, row in enumerate(rows):
+        if row != slot:
+            store.select(dim, slot).copy_(store.select(dim, row))
+    return store
+
+
+class Backlog:
+    """Feature columns [B, m, F] (with valid [B, m]) that wait for a drafter, appended step after step.
+
+    One buffer, grown by doubling and reused after ``clear``, so appending a step's columns copies
+    those columns only (a concatenation per step would copy the whole backlog every step, and a
+    drafter that is not asked for drafts under load lets it grow for as long as a request lives).
+    Rows that leave and rows that join are moved within it, as the target's cache moves its rows."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size, self.m = batch_size, 0
+        self.store: torch.Tensor | None = None  # [rows >= B, capacity, F]
+        self.mask: torch.Tensor | None = None   # [rows, capacity] bool
+
+    def waiting(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(states [B, m, F], valid [B, m]) of the waiting columns, or (None, None) when none wait."""
+        if not self.m:
+            return None, None
+        return self.store[:self.batch_size, :self.m], self.mask[:self.batch_size, :self.m]
+
+    def clear(self) -> None:
+        self.m = 0
+
+    def _room(self, rows: int, columns: int, like: torch.Tensor) -> None:
+        """A store of at least ``rows`` rows and ``columns`` columns holding the waiting columns."""
+        have_rows, have_columns = (0, 0) if self.store is None else self.store.shape[:2]
+        if rows <= have_rows and columns <= have_columns and like.dtype == self.store.dtype:
+            return
+        rows = rows if rows <= have_rows else max(rows, 2 * have_rows)
+        columns = columns if columns <= have_columns else max(columns, 2 * have_columns)
+        store = like.new_zeros(rows, columns, like.shape[-1])
+        mask = torch.zeros(rows, columns, dtype=torch.bool, device=like.device)
+        if self.m:
+            store[:self.batch_size, :self.m] = self.store[:self.batch_size, :self.m]
+            mask[:self.batch_size, :self.m] = self.mask[:self.batch_size, :self.m]
+        self.store, self.mask = store, mask
+
+    def append(self, states: torch.Tensor, valid: torch.Tensor) -> None:
+        """Columns states [B, n, F] / valid [B, n] after the waiting ones."""
+        n = states.shape[1]
+        self._room(self.batch_size, self.m + n, states if self.store is None else self.store)
+        self.store[:self.batch_size, self.m:self.m + n] = states
+        self.mask[:self.batch_size, self.m:self.m + n] = valid
+        self.m += n
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.m:
+            store, mask = keep_rows(self.store, index), keep_rows(self.mask, index)
+            self.store, self.mask = store, mask
+        self.batch_size = index.numel()
+
+    def extend(self, other: "Backlog") -> None:
+        """Append ``other``'s rows, each row's waiting columns first, holes (invalid) after."""
+        joining = other.batch_size
+        if other.m:
+            like = self.store if self.store is not None and self.m else other.store
+            self._room(self.batch_size + joining, max(self.m, other.m), like)
+        elif self.m:
+            self._room(self.batch_size + joining, self.m, self.store)
+        if self.store is not None and (self.m or other.m):
+            first, rows = self.batch_size, slice(self.batch_size, self.batch_size + joining)
+            self.mask[:first, self.m:other.m] = False
+            self.mask[rows, :max(self.m, other.m)] = False
+            if other.m:
+                self.store[rows, :other.m] = other.store[:joining, :other.m]
+                self.mask[rows, :other.m] = other.mask[:joining, :other.m]
+            self.m = max(self.m, other.m)
+        self.batch_size += joining

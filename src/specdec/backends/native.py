@@ -2,10 +2,13 @@
 
 ``NativeBackend`` wraps a ``models.llama.Llama``; ``NativeCache`` is a ``RaggedCache`` (per-row
 validity and lengths, one rollback primitive) whose keys and values live in one buffer allocated
-once per generation, [layers, 2, B, kv_heads, capacity, head_dim]. A block's entries are written
-in place at columns [past, past + n); rolling back just lowers the column count, so the next block
-overwrites the rejected columns. Only row removal and compaction copy, and the buffer grows (by
-doubling, counted in ``grown``) only when a block would pass the capacity given at creation.
+once per generation, [layers, 2, rows, kv_heads, capacity, head_dim], the batch's B rows its first B
+(``kv`` is that view). A block's entries are written in place at columns [past, past + n); rolling back
+just lowers the column count, so the next block overwrites the rejected columns. Rows that leave are
+filled in place by the rows after them (only the rows that move are copied), and rows that join are
+copied into free rows, so a serving batch whose requests come and go copies what moves, not the whole
+cache. The buffer grows (by doubling, counted in ``grown``) only when a block would pass the capacity,
+or joining rows find no free row or need more columns.
 
 Beyond ``forward``, a block can stop part-way up the network and continue later (``begin``,
 ``advance``, ``finish``), for early-exit drafters that run the first layers of the target.
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.backends.cache import FULL, RaggedCache, Window
+from specdec.batch import keep_rows
 from specdec.errors import InvalidArgumentError
 from specdec.models import kernels, llama
 
@@ -71,7 +75,8 @@ class NativeCache(RaggedCache):
         self.model = model
         self.grown = 0  # reallocations because a block passed the capacity
         capacity = max(1, capacity or DEFAULT_CAPACITY)
-        self.kv = llama.new_kv(model, batch_size, capacity)  # [L, 2, B, kv, capacity, D]
+        self.store = llama.new_kv(model, batch_size, capacity)  # [L, 2, rows >= B, kv, capacity, D]
+        self.kv = self.store  # its first B rows
         model.reserve(capacity)
         self.scratch: dict[tuple[int, int], llama.Scratch] = {}  # (B, n) -> work buffers
         self._stop: int | None = None
@@ -86,7 +91,7 @@ class NativeCache(RaggedCache):
 
     @property
     def memory_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.store.numel() * self.store.element_size()
 
     def begin(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, stop: int = 0,
               hidden_layers: tuple[int, ...] = (), block_mask: torch.Tensor | None = None,
@@ -238,34 +243,45 @@ class NativeCache(RaggedCache):
         return work
 
     def _grow(self, past: int, needed: int) -> None:
-        kv = self.kv.new_zeros(*self.kv.shape[:4], max(needed, 2 * self.capacity), self.kv.shape[5])
         # Every column moves, not only the first ``past``: entries past the live columns may still be
         # read (an early-exit verification re-enters drafted columns whose first layers ran already).
-        kv[:, :, :, :, :self.capacity] = self.kv
-        self.kv = kv
-        self.model.reserve(self.capacity)
+        self._reallocate(self.store.shape[2], max(needed, 2 * self.capacity), self.capacity)
         self.grown += 1
+
+    def _reallocate(self, rows: int, capacity: int, columns: int) -> None:
+        """A new store of ``rows`` rows and ``capacity`` columns holding the batch's first ``columns``
+        columns (the rest zero)."""
+        store = self.store.new_zeros(*self.store.shape[:2], rows, *self.store.shape[3:4], capacity,
+                                     self.store.shape[5])
+        batch = self.kv.shape[2]
+        store[:, :, :batch, :, :columns] = self.kv[:, :, :, :, :columns]
+        self.store, self.kv = store, store[:, :, :batch]
+        self.model.reserve(capacity)
 
     def _truncated(self, stop: int) -> None:
         pass  # columns from ``stop`` on are overwritten by the next block
 
     @torch.inference_mode()
     def _select_rows(self, index: torch.Tensor) -> None:
-        self.kv = self.kv.index_select(2, index)
+        self.store = keep_rows(self.store, index, dim=2)  # the rows that move, in place
+        self.kv = self.store[:, :, :index.numel()]
         self.scratch.clear()  # shaped for the old batch size
 
     @torch.inference_mode()
     def _extend(self, other: "NativeCache", columns: int) -> None:
+        batch, joining = self.kv.shape[2], other.kv.shape[2]
         capacity = max(self.capacity, other.capacity, columns)
-        first, second = self.kv, other.kv
-        if first.shape[4] == capacity and second.shape[4] == capacity:
-            self.kv = torch.cat([first, second], dim=2)
-        else:  # copy only the used columns; the others must hold finite numbers (attention adds 0 x value)
-            layers, two, b1, heads, _, dim = first.shape
-            kv = first.new_zeros(layers, two, b1 + second.shape[2], heads, capacity, dim)
-            kv[:, :, :b1, :, : self.columns] = first[:, :, :, :, : self.columns]
-            kv[:, :, b1:, :, : other.columns] = second[:, :, :, :, : other.columns]
-            self.kv = kv
+        rows = self.store.shape[2]
+        if batch + joining > rows or capacity > self.capacity:
+            self._reallocate(rows if batch + joining <= rows else max(batch + joining, 2 * rows), capacity,
+                             self.columns)
+        store = self.store
+        store[:, :, batch:batch + joining, :, :other.columns] = other.kv[:, :, :, :, :other.columns]
+        # Columns that become holes must hold finite numbers (attention adds 0 x value); a free row
+        # may hold a former row's entries, and the narrower side's columns up to ``columns`` are read.
+        store[:, :, batch:batch + joining, :, other.columns:columns] = 0
+        store[:, :, :batch, :, self.columns:columns] = 0
+        self.kv = store[:, :, :batch + joining]
         self.model.reserve(capacity)
         self.grown += other.grown
         self.scratch.clear()  # shaped for the old batch size

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from specdec.batch import Sequences, cat_rows
+from specdec.batch import Backlog, Sequences
 from specdec.errors import InvalidArgumentError
 from specdec.models import dflash, llama
 from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
@@ -88,23 +88,24 @@ class DFlashSession:
         self.sampling, self.generator = context.sampling, context.generator
         capacity = None if context.cache_capacity is None else context.cache_capacity + block_size
         self.cache = runtime.new_cache(batch_size, capacity)
-        self.states: torch.Tensor | None = None  # [B, m, F] features not yet in the cache
-        self.valid: torch.Tensor | None = None   # [B, m]
+        self.backlog = Backlog(batch_size)  # features of committed tokens not yet in the cache
 
     def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
-        states = features.states.flatten(2)
-        if self.states is None:
-            self.states, self.valid = states, features.valid
-        else:  # observed twice without drafting in between: both wait, in order
-            self.states = torch.cat([self.states, states.to(self.states.dtype)], dim=1)
-            self.valid = torch.cat([self.valid, features.valid], dim=1)
+        self.backlog.append(features.states.flatten(2), features.valid)  # several steps without drafts: all wait
+
+    def enter(self, anchors: torch.Tensor, block: int) -> torch.Tensor:
+        """The waiting context entered and a block [anchor, mask, ...] of ``block`` inputs run on it:
+        its outputs [B, block, H]."""
+        states, valid = self.backlog.waiting()
+        out = self.cache.draft(states, valid, anchors, block)
+        self.backlog.clear()
+        self.cache.compact()
+        return out
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         drafts = max(1, min(k, self.block_size - 1))
         anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending tokens
-        out = self.cache.draft(self.states, self.valid, anchors, drafts + 1)  # [B, drafts + 1, H]
-        self.states = self.valid = None
-        self.cache.compact()
+        out = self.enter(anchors, drafts + 1)  # [B, drafts + 1, H]
         logits = self.runtime.logits(out[:, 1:])  # slot 0 is the anchor: it predicts nothing
         lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
         tokens, probs = draft_from(logits, self.runtime.rows, self.vocab, self.sampling, self.generator)
@@ -115,26 +116,11 @@ class DFlashSession:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
-        if self.states is not None:
-            self.states, self.valid = self.states.index_select(0, index), self.valid.index_select(0, index)
+        self.backlog.select_rows(index)
 
     def extend(self, other: "DFlashSession") -> None:
         self.cache.extend(other.cache)
-        if self.states is None and other.states is None:
-            return
-        like = self.states if self.states is not None else other.states
-        (states, valid), (more, more_valid) = self.waiting(like), other.waiting(like)
-        # Waiting features are right-aligned: the shorter side is padded with invalid columns on the left.
-        self.states = cat_rows(states, more.to(states.dtype), 0, left=True)
-        self.valid = cat_rows(valid, more_valid, False, left=True)
-
-    def waiting(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(states [B, m, F], valid [B, m]) of the features not yet in the cache (m = 0 when none)."""
-        if self.states is not None:
-            return self.states, self.valid
-        batch = self.cache.batch_size
-        return (like.new_zeros(batch, 0, like.shape[2]),
-                torch.zeros(batch, 0, dtype=torch.bool, device=like.device))
+        self.backlog.extend(other.backlog)
 
 
 DFlash.session_class = DFlashSession

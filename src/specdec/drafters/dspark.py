@@ -37,9 +37,7 @@ class DSparkSession(DFlashSession):
         drafts = max(1, min(k, self.block_size))
         runtime = self.runtime
         anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending tokens
-        out = self.cache.draft(self.states, self.valid, anchors, drafts)    # [B, drafts, H]: every slot drafts
-        self.states = self.valid = None
-        self.cache.compact()
+        out = self.enter(anchors, drafts)                                   # [B, drafts, H]: every slot drafts
         head = runtime.logits(out)                                          # [B, drafts, V]
         hidden = runtime.normed(out)
         previous, tokens, dists, confidences = anchors, [], [], []
