@@ -241,14 +241,18 @@ def test_scheduler_drafts_less_when_wide_blocks_are_dear():
 
 
 def test_scheduler_stops_drafting_after_empty_cuts_and_probes_again():
-    policy = prepared(ConfidenceScheduler(table=flat_table(1.0, 5.0, 9.0, 13.0, 17.0, sizes=(1, 2, 4, 8)),
+    """A close call (a draft would cost 20% more verification; the target's acceptance, as assumed before
+    any outcome, might pay for it) is probed, less and less often while it loses."""
+    policy = prepared(ConfidenceScheduler(table=flat_table(1.0, 1.2, 1.4, 1.6, 1.8, sizes=(1, 2, 4, 8)),
                                           patience=3, explore=4))
     group, choices = stub_group(4), []
+    hopeless = lambda k: Proposal(torch.randint(0, 300, (4, k)), torch.full((4,), k),  # noqa: E731
+                                  confidence=torch.zeros(4, k))
     for step in range(40):
         k = policy.draft_tokens(None, group)
         choices.append(k)
         if k:
-            assert not bool(policy.cut(None, group, random_proposal(4, k, step)).lengths.any())
+            assert not bool(policy.cut(None, group, hopeless(k)).lengths.any())
     # Three empty cuts, then plain steps with a probe after 4 of them; each losing probe doubles the wait.
     probes = [step for step, k in enumerate(choices) if k]
     assert probes == [0, 1, 2, 7, 16, 33], choices
@@ -259,6 +263,24 @@ def test_scheduler_stops_drafting_after_empty_cuts_and_probes_again():
     policy.cut(None, group, Proposal(torch.randint(0, 300, (4, 4)), torch.full((4,), 4),
                                      confidence=torch.full((4, 4), 0.95)))
     assert (policy.losing, policy.wait) == (0, 4)
+
+
+def test_scheduler_does_not_probe_a_clear_loss_until_the_load_falls():
+    """Under load a draft costs as much as a plain step (5x the verification here, at 2 rows and more):
+    no probe at all once it stopped, whatever the wait; one row, where width is free, probes again."""
+    table = {(rows, width): rows * (1.0 if rows == 1 else 4.0 * width - 3.0)
+             for rows in (1, 2, 4, 8) for width in range(1, 6)}
+    policy = prepared(ConfidenceScheduler(table=table, patience=3, explore=4))
+    group, choices = stub_group(8), []
+    for step in range(300):
+        k = policy.draft_tokens(None, group)
+        choices.append(k)
+        if k:
+            policy.cut(None, group, Proposal(torch.randint(0, 300, (8, k)), torch.full((8,), k),
+                                             confidence=torch.zeros(8, k)))
+    assert [step for step, k in enumerate(choices) if k] == [0, 1, 2], choices
+    alone = stub_group(1)
+    assert max(policy.draft_tokens(None, alone) for _ in range(8)) == 4
 
 
 def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_gain():

@@ -262,9 +262,12 @@ class ConfidenceScheduler(LoadAware):
     a plain step's, an empty cut among them. Then steps decode plainly (no drafting cost), drafting
     again once every ``explore`` steps to look. The decisions read confidences, costs and earlier
     steps' outcomes only, never whether this step's drafts are right, so they stay lossless. A probe
-    costs a whole drafting pass, more than a plain step under load: each probe that still loses
-    doubles the wait before the next (up to ``longest_wait`` steps), and one that wins restores
-    ``explore``.
+    costs a whole drafting pass, more than a plain step under load (and the pass enters the context
+    that waited meanwhile): each probe that still loses doubles the wait before the next (up to
+    ``longest_wait`` steps), one that wins restores ``explore``, and none is made while even the
+    acceptance the target granted so far, at the current batch size's costs, puts a drafting step
+    more than ``margin`` below a plain one (a clear loss, as under heavy load: only fewer rows or
+    cheaper verification bring drafting back).
     """
 
     name = "confidence"
@@ -290,12 +293,25 @@ class ConfidenceScheduler(LoadAware):
         k, self.probing = self.k_max, False
         if self.losing >= self.patience:
             self.undrafted += 1
-            if self.undrafted <= self.wait:
+            if self.undrafted <= self.wait or not self.promising(group.size):
                 k = 0
             else:  # probe: draft once to see whether the confidences came back
                 self.undrafted, self.probing = 0, True
         self.last_choice = k
         return k
+
+    def promising(self, rows: int) -> bool:
+        """Whether a drafting step of ``rows`` rows, at the acceptance per position the target granted so
+        far (every row drafting, the best number of drafts kept), comes within ``margin`` of a plain
+        step's rate: its whole drafting pass, the verification and the overhead counted."""
+        plain = self.rate(rows, 0)
+        spent = self.k_max * self.nearest(self.draft_cost, rows) + self.nearest(self.overhead[True], rows)
+        survival, tokens, best = 1.0, 1.0, 0.0
+        for position in range(self.k_max):
+            survival *= self.acceptance(position)
+            tokens += survival
+            best = max(best, rows * tokens / (self.verify_seconds(rows, position + 2) + spent))
+        return best >= (1 - self.margin) * plain
 
     def correction(self, width: int) -> torch.Tensor:
         """Per position j < width: accepted over predicted survival on earlier steps (1 before any)."""
@@ -329,6 +345,8 @@ class ConfidenceScheduler(LoadAware):
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         self.observe_costs(group.size, width, self.last_choice, timing)
+        if width and accepted is not None:
+            self.count_acceptance(width, accepted)  # what ``promising`` expects of a probe
         if self.pending is not None and accepted is not None:
             self.count_survival(self.pending, accepted)
         self.pending = None
