@@ -293,6 +293,26 @@ def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_pa
     assert torch.equal(final[0], as_float(clean["train"][3, :, 1]))
 
 
+def test_a_larger_set_copies_the_rows_a_smaller_one_of_the_same_recipe_computed(chat_dir, tmp_path, monkeypatch):
+    """Doubling a data set computes the features of the new rows only: the first rows (and an equal
+    held-out set) are copied from the smaller set's folder; a folder of other tokens lends nothing."""
+    monkeypatch.setattr(FeatureCache, "CHUNK_TOKENS", 20)  # train: chunks of 2 rows; held-out: 1 row
+    large = random_sets(0)
+    small = {"train": Sequences(large["train"].tokens[:4], large["train"].lengths[:4], large["train"].prompt_len[:4]),
+             "heldout": large["heldout"]}
+    FeatureCache(tmp_path / "small", small, (1,), 3, 64).build(chat_dir, lambda m: None)
+    FeatureCache(tmp_path / "other", random_sets(1), (1,), 3, 64).build(chat_dir, lambda m: None)
+    FeatureCache(tmp_path / "clean", large, (1,), 3, 64).build(chat_dir, lambda m: None)
+    calls, lines = [], []
+    monkeypatch.setattr(features, "load_fast_target", counting(calls))
+    earlier = (tmp_path / "other", tmp_path / "small")
+    FeatureCache(tmp_path / "large", large, (1,), 3, 64, earlier).build(chat_dir, lines.append)
+    assert calls == [2]  # train rows 4 and 5; rows 0-3 and the whole held-out set were copied
+    assert any("4 rows copied" in line for line in lines) and any("3 rows copied" in line for line in lines)
+    clean = read_all(tmp_path / "clean", large)
+    assert all(np.array_equal(read_all(tmp_path / "large", large)[name], clean[name]) for name in large)
+
+
 def test_a_cache_folder_of_other_sequences_is_computed_again(chat_dir, tmp_path):
     """A folder whose finished chunks hold other sequences (a run restarted with another seed or held-out
     count before its first checkpoint) is recomputed, not read as if it held these."""
@@ -356,6 +376,49 @@ def test_sharegpt_self_continues_opening_turns_with_the_target(chat_dir, sharegp
     answers = specdec.generate(target, held_prompts, max_new_tokens=features.HELDOUT_NEW_TOKENS).token_ids
     assert [row[len(p):] for row, p in zip(rows_of(run.held), held_prompts)] == answers
     assert max(len(answer) for answer in answers) == features.HELDOUT_NEW_TOKENS
+
+
+def test_generated_answers_resume_from_their_chunks_and_grow_from_a_smaller_set(chat_dir, tmp_path, monkeypatch):
+    """The target's answers are kept chunk by chunk while they are made (a killed run resumes there),
+    and a larger set of the same recipe generates only the prompts the smaller one lacks; the result
+    equals the set made in one go."""
+    tokenizer = load_tokenizer(chat_dir)
+    prompts = [tokenizer.encode(f"Tell me about the number {i}.") for i in range(6)]
+    quiet = lambda m: None  # noqa: E731
+    whole = features.continuations(chat_dir, prompts, 5, [0.0, 1.0], 2, 0, quiet)
+
+    made, kill = [], [True]
+    real = features.generate_chunk
+
+    def killed_after_two(target, chunk, *args):
+        if kill[0] and len(made) == 2:
+            raise Killed
+        made.append(chunk)
+        return real(target, chunk, *args)
+
+    monkeypatch.setattr(features, "generate_chunk", killed_after_two)
+    parts = tmp_path / "parts"
+    with pytest.raises(Killed):
+        features.continuations(chat_dir, prompts, 5, [0.0, 1.0], 2, 0, quiet, parts=parts)
+    assert sorted(path.name for path in parts.iterdir()) == ["chunk-00000.pt", "chunk-00001.pt"]
+    made.clear()
+    kill[0] = False
+    resumed = features.continuations(chat_dir, prompts, 5, [0.0, 1.0], 2, 0, quiet, parts=parts)
+    assert made == [prompts[4:]] and torch.equal(resumed.tokens, whole.tokens)
+
+    made.clear()
+    smaller = features.continuations(chat_dir, prompts[:3], 5, [0.0, 1.0], 2, 0, quiet)
+    made.clear()
+    lines = []
+    grown = features.continuations(chat_dir, prompts, 5, [0.0, 1.0], 2, 0, lines.append, earlier=smaller)
+    assert made == [prompts[2:4], prompts[4:]]  # whole chunks only: row 2 sat in a chunk of its own
+    assert torch.equal(grown.tokens, whole.tokens) and torch.equal(grown.lengths, whole.lengths)
+    assert "2 of 6 continuations come from the set made before" in lines[0]
+    made.clear()
+    other = features.continuations(chat_dir, prompts[1:5], 5, [0.0, 1.0], 2, 0, quiet)
+    made.clear()
+    features.continuations(chat_dir, prompts, 5, [0.0, 1.0], 2, 0, quiet, earlier=other)
+    assert len(made) == 3  # other prompts: nothing reused
 
 
 def test_eagle1_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exactly(chat_dir, sharegpt, tmp_path,

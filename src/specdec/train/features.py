@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,32 +76,77 @@ class Sequences:
 
 def continuations(target_dir: Path, prefixes: list[list[int]], new_tokens: int, temperatures: list[float],
                   batch_size: int, seed: int, log: Callable[[str], None],
-                  dtype: torch.dtype = torch.float32) -> Sequences:
+                  dtype: torch.dtype = torch.float32, parts: Path | None = None,
+                  earlier: "Sequences | None" = None) -> Sequences:
     """Continue each prefix (token ids) by ``new_tokens`` of the target (specdec's own decoding, native
-    backend where it runs, in ``dtype``), chunk c at temperature ``temperatures[c % len]``."""
-    from specdec.decode import GenerationConfig
-    from specdec.engine import generate_ids
-    from specdec.drafters import NoDraft
-    from specdec.sampling import SamplingConfig
+    backend where it runs, in ``dtype``), chunk c at temperature ``temperatures[c % len]``.
+
+    parts: a folder where each chunk is kept as it is done (a killed run resumes from the chunks there).
+    earlier: continuations made before of the first prefixes (a smaller set of the same recipe): its rows
+    serve as they are, as long as their prompts are these prefixes, and generation goes on from there."""
     from specdec.backends.target import load_target
 
-    target = load_target(target_dir, dtype=dtype)
-    rows, lengths = [], []
     total = len(prefixes)
     width = max(len(p) for p in prefixes) + new_tokens
+    rows = reusable_rows(earlier, prefixes, batch_size)
+    if rows:
+        log(f"[data] {len(rows)} of {total} continuations come from the set made before")
+    target = load_target(target_dir, dtype=dtype)
     for chunk, start in enumerate(range(0, total, batch_size)):
+        if start < len(rows):
+            continue
         prompts = prefixes[start: start + batch_size]
-        temperature = temperatures[chunk % len(temperatures)]
-        config = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature),
-                                  seed=seed * 1000 + chunk)
-        out = generate_ids(target, prompts, NoDraft(), config)
-        for prompt, generated in zip(prompts, out.token_ids):
-            row = prompt + generated
-            lengths.append(len(row))
-            rows.append(row + [target.pad_token_id] * (width - len(row)))
+        part = None if parts is None else Path(parts) / f"chunk-{chunk:05d}.pt"
+        if part is not None and part.is_file():
+            kept = torch.load(part)
+            if kept["prompts"] == prompts:  # done before the run was stopped
+                rows.extend(kept["rows"])
+                continue
+        made = generate_chunk(target, prompts, new_tokens, temperatures[chunk % len(temperatures)], seed * 1000 + chunk)
+        if part is not None:
+            save_atomic(part, {"prompts": prompts, "rows": made})
+        rows.extend(made)
         log(f"[data] generated {min(start + batch_size, total)}/{total} continuations")
-    return Sequences(torch.tensor(rows, dtype=torch.long), torch.tensor(lengths, dtype=torch.long),
+    pad = target.pad_token_id
+    return Sequences(torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long),
+                     torch.tensor([len(row) for row in rows], dtype=torch.long),
                      torch.tensor([len(p) for p in prefixes], dtype=torch.long))
+
+
+def generate_chunk(target, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+    """Each prompt followed by its continuation, one batch of specdec's own decoding."""
+    from specdec.decode import GenerationConfig
+    from specdec.drafters import NoDraft
+    from specdec.engine import generate_ids
+    from specdec.sampling import SamplingConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingConfig(temperature), seed=seed)
+    out = generate_ids(target, prompts, NoDraft(), config)
+    return [prompt + generated for prompt, generated in zip(prompts, out.token_ids)]
+
+
+def reusable_rows(earlier: "Sequences | None", prefixes: list[list[int]], batch_size: int) -> list[list[int]]:
+    """The rows of ``earlier`` that continue the first prefixes, in whole chunks of ``batch_size``
+    (so the chunks after them keep their numbering, seeds and temperatures); none when a prompt differs."""
+    if earlier is None:
+        return []
+    count = min(earlier.tokens.shape[0], len(prefixes)) // batch_size * batch_size
+    rows = []
+    for row in range(count):
+        prompt_len = int(earlier.prompt_len[row])
+        if earlier.tokens[row, :prompt_len].tolist() != prefixes[row]:
+            return []
+        rows.append(earlier.tokens[row, :int(earlier.lengths[row])].tolist())
+    return rows
+
+
+def save_atomic(path: Path, value) -> None:
+    """torch.save to ``path`` through a temporary file in its folder, renamed at the end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".part-", dir=path.parent)
+    with os.fdopen(fd, "wb") as handle:
+        torch.save(value, handle)
+    os.replace(tmp, path)
 
 
 def padded(rows: list[list[int]], prompt_len: list[int], pad: int) -> Sequences:
@@ -108,6 +154,24 @@ def padded(rows: list[list[int]], prompt_len: list[int], pad: int) -> Sequences:
     return Sequences(torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long),
                      torch.tensor([len(row) for row in rows], dtype=torch.long),
                      torch.tensor(prompt_len, dtype=torch.long))
+
+
+def parts_folder(path: Path) -> Path:
+    """Where the chunks of the set stored at ``path`` wait while it is made."""
+    return path.with_name(f".{path.stem}.parts")
+
+
+def largest_earlier(root: Path, prefix: str, count: int) -> Sequences | None:
+    """The largest set of fewer than ``count`` sequences stored as ``<prefix><n>.pt`` in ``root`` (a set
+    made before with the same recipe, whose prompts are the first of these), or None."""
+    sizes = []
+    for path in root.glob(f"{prefix}*.pt"):
+        tail = path.stem[len(prefix):]
+        if tail.isdigit() and int(tail) < count:
+            sizes.append((int(tail), path))
+    if not sizes:
+        return None
+    return cached_sequences(max(sizes)[1], None)
 
 
 def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
@@ -235,9 +299,12 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
         train = cached_sequences(root / f"train-sharegpt-{key}-{count}.pt", lambda: sharegpt_text(
             tokenizer, count, prefix_len + generated_len, seed, pad))
     else:
-        train = cached_sequences(root / f"train-sharegpt-self-{key}-{count}.pt", lambda: continuations(
+        path = root / f"train-sharegpt-self-{key}-{count}.pt"
+        train = cached_sequences(path, lambda: continuations(
             target_dir, opening_prompt_ids(tokenizer, "train", count, prefix_len, seed), generated_len, [0.0, 1.0],
-            generation_batch, seed, log, dtype=torch.bfloat16))
+            generation_batch, seed, log, dtype=torch.bfloat16, parts=parts_folder(path),
+            earlier=largest_earlier(root, f"train-sharegpt-self-{key}-", count)))
+        shutil.rmtree(parts_folder(path), ignore_errors=True)
     held = cached_sequences(root / f"heldout-sharegpt-{fingerprint}-{prefix_len}-{heldout}-{HELDOUT_NEW_TOKENS}.pt",
                             lambda: continuations(target_dir, opening_prompt_ids(tokenizer, "heldout", heldout,
                                                                                 prefix_len, seed + 1),
@@ -397,8 +464,10 @@ class FeatureCache:
     CHUNK_TOKENS = 8192
 
     def __init__(self, folder: Path, sets: dict[str, Sequences], layers: tuple[int, ...], num_layers: int,
-                 hidden: int):
-        self.folder, self.sets, self.hidden = Path(folder), sets, hidden
+                 hidden: int, earlier: tuple[Path, ...] = ()):
+        """earlier: folders of the same layers holding sets whose sequences are the first of these (a
+        smaller data set of the same recipe): their rows are copied, not computed again."""
+        self.folder, self.sets, self.hidden, self.earlier = Path(folder), sets, hidden, tuple(earlier)
         self.layers = tuple(sorted(set(layers) | {num_layers}))
         self.final = self.layers.index(num_layers)
         self.arrays: dict[str, "np.memmap"] = {}
@@ -417,11 +486,42 @@ class FeatureCache:
         rows, width = self.sets[name].tokens.shape
         return range(0, rows, max(1, self.CHUNK_TOKENS // width))
 
-    def digest(self, name: str) -> str:
+    def digest(self, name: str, rows: int | None = None) -> str:
+        """Of the set's tokens (its first ``rows`` rows)."""
         import hashlib
 
-        tokens = self.sets[name].tokens
+        tokens = self.sets[name].tokens[:rows]
         return hashlib.sha256(str(tuple(tokens.shape)).encode() + tokens.numpy().tobytes()).hexdigest()
+
+    def copy_earlier(self, name: str, array, done: set[int], log: Callable[[str], None]) -> None:
+        """Copy into ``array`` the rows of set ``name`` that a finished earlier folder holds (the one
+        holding the most), marking the chunks they fill as done."""
+        import json
+
+        row_bytes, step = 2 * int(np.prod(self._shape(name)[1:])), self.chunks(name).step
+        found = []
+        for folder in self.earlier:
+            path, done_path, tokens_path = (folder / f"{name}.{suffix}" for suffix in ("bin", "done", "tokens"))
+            if folder == self.folder or not (path.is_file() and done_path.is_file() and tokens_path.is_file()):
+                continue
+            rows, extra = divmod(path.stat().st_size, row_bytes)
+            if (not extra and 0 < rows <= self.sets[name].tokens.shape[0]
+                    and tokens_path.read_text() == self.digest(name, rows)
+                    and set(json.loads(done_path.read_text())) == set(range(0, rows, step))):
+                found.append((rows, path))
+        if not found:
+            return
+        rows, path = max(found)
+        total = self.sets[name].tokens.shape[0]
+        filled = [start for start in self.chunks(name) if start not in done and min(start + step, total) <= rows]
+        if not filled:
+            return
+        source = np.memmap(path, dtype=np.int16, mode="r", shape=(rows, *self._shape(name)[1:]))
+        for start in filled:
+            array[start: start + step] = source[start: start + step]
+        array.flush()
+        done.update(filled)
+        log(f"[features] {name}: {sum(min(step, total - start) for start in filled)} rows copied from {path.parent}")
 
     def finished(self, name: str) -> set[int]:
         """The chunks of set ``name`` already in the folder (none when it holds other sequences)."""
@@ -465,6 +565,10 @@ class FeatureCache:
                     f"{seqs.tokens.shape[1]} positions, {2 * np.prod(self._shape(name)) / 2**30:.2f} GiB "
                     f"in {self.folder}; {len(todo)} of {len(chunks)} chunks to compute")
             array = np.memmap(path, dtype=np.int16, mode="r+" if path.is_file() else "w+", shape=self._shape(name))
+            if todo and self.earlier:
+                self.copy_earlier(name, array, done, log)
+                write_text_atomic(done_path, json.dumps(sorted(done)))
+                todo = [start for start in chunks if start not in done]
             for start in tqdm(todo, desc=f"features {name}", unit="chunk", disable=not todo):
                 if model is None:
                     model = load_fast_target(target_dir)
@@ -627,9 +731,12 @@ class DrafterRun:
 
             def cache_of(chosen: set[int]) -> FeatureCache:
                 layer_key = "-".join(str(i) for i in sorted(chosen))
+                # Folders of a smaller set of the same recipe and layers lend the rows they share.
+                earlier = sorted(self.data_dir.glob(f"features-{self.target.fingerprint()}-{self.source}-*x"
+                                                    f"{self.train.tokens.shape[1]}-L{layer_key}"))
                 return FeatureCache(self.data_dir / f"features-{key}-L{layer_key}",
                                     {"train": self.train, "heldout": self.held}, tuple(chosen),
-                                    self.target.num_layers, int(config.hidden_size))
+                                    self.target.num_layers, int(config.hidden_size), tuple(earlier))
 
             # A cache of these sequences holding more layers serves too (EAGLE-3, DFlash, Medusa and
             # EAGLE-1 can share one folder): the one with the fewest chunks left to compute, then the
