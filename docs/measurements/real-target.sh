@@ -198,3 +198,15 @@ specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --confi
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
   -k 2 3 --drafters eagle3=runs/s11/eagle3/out eagle3=runs/s11/old/eagle3 eagle --no-transformers --threads 2 \
   --output $OUT/real-bench-eagle3-s11.json   # then the fastest setting recorded (bench.record_fastest) and copied into $D/eagle3
+
+# Twelfth session (AMD EPYC family 25 model 17, Zen 4; 2 threads): serving copies only what moves, the scheduler
+# does not probe a clear loss; the target's answers doubled to 4,096 (the first 2,048 reused, 2,048 generated)
+python docs/measurements/serve_batch.py 64 plain never+prof          # the profile; then `64 plain never` before/after
+for r in a b c; do   # run a also had dflash@fixed dspark@conf-min:0.3, and ran before the probe gate
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
+    --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
+    --in-process --output $OUT/dspark-serve-s12$r.json
+done
+echo '{"source": "sharegpt-self", "train_sequences": 4096, "prefix_len": 256, "generated_len": 192}' > self4096.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config self4096.json --data-dir runs/data \
+  --out runs/s12/data/out --ckpt-dir runs/s12/data/ckpt --threads 2 --max-minutes 0   # ids and the 4-layer feature cache

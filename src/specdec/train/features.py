@@ -560,15 +560,15 @@ class FeatureCache:
             write_text_atomic(tokens_path, digest)
             done = self.finished(name)
             todo = [start for start in chunks if start not in done]
-            if todo:
-                log(f"[features] {name}: {len(self.layers)} layers x {seqs.tokens.shape[0]} sequences x "
-                    f"{seqs.tokens.shape[1]} positions, {2 * np.prod(self._shape(name)) / 2**30:.2f} GiB "
-                    f"in {self.folder}; {len(todo)} of {len(chunks)} chunks to compute")
             array = np.memmap(path, dtype=np.int16, mode="r+" if path.is_file() else "w+", shape=self._shape(name))
             if todo and self.earlier:
                 self.copy_earlier(name, array, done, log)
                 write_text_atomic(done_path, json.dumps(sorted(done)))
                 todo = [start for start in chunks if start not in done]
+            if todo:
+                log(f"[features] {name}: {len(self.layers)} layers x {seqs.tokens.shape[0]} sequences x "
+                    f"{seqs.tokens.shape[1]} positions, {2 * np.prod(self._shape(name)) / 2**30:.2f} GiB "
+                    f"in {self.folder}; {len(todo)} of {len(chunks)} chunks to compute")
             for start in tqdm(todo, desc=f"features {name}", unit="chunk", disable=not todo):
                 if model is None:
                     model = load_fast_target(target_dir)
