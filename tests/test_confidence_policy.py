@@ -135,7 +135,10 @@ def test_greedy_output_equals_plain_decoding_under_both_policies(arch, models):
             tokens, engine = run_requests(target, drafter(), recorder.policy)
             assert tokens == reference, f"{drafter_name} {policy_name}"
             stats = engine.stats
-            assert stats.drafts_proposed > 0, f"{drafter_name} {policy_name}: nothing verified"
+            # With this machine's profile, drafting may not pay at all, even at the prior acceptance:
+            # the profiled scheduler then never drafts.
+            assert stats.drafts_proposed > 0 or policy_name == "scheduler-profiled", \
+                f"{drafter_name} {policy_name}: nothing verified"
             kept = [(offered, lengths) for offered, lengths, _ in recorder.cuts]
             assert all(0 <= n <= m for offered, lengths in kept for n, m in zip(lengths, offered))
             assert stats.drafts_cut == sum(m - n for offered, lengths in kept for n, m in zip(lengths, offered))
@@ -265,22 +268,31 @@ def test_scheduler_stops_drafting_after_empty_cuts_and_probes_again():
     assert (policy.losing, policy.wait) == (0, 4)
 
 
-def test_scheduler_does_not_probe_a_clear_loss_until_the_load_falls():
+def test_scheduler_does_not_draft_a_clear_loss_until_the_load_falls():
     """Under load a draft costs as much as a plain step (5x the verification here, at 2 rows and more):
-    no probe at all once it stopped, whatever the wait; one row, where width is free, probes again."""
-    table = {(rows, width): rows * (1.0 if rows == 1 else 4.0 * width - 3.0)
-             for rows in (1, 2, 4, 8) for width in range(1, 6)}
-    policy = prepared(ConfidenceScheduler(table=table, patience=3, explore=4))
-    group, choices = stub_group(8), []
-    for step in range(300):
-        k = policy.draft_tokens(None, group)
-        choices.append(k)
-        if k:
-            policy.cut(None, group, Proposal(torch.randint(0, 300, (8, k)), torch.full((8,), k),
-                                             confidence=torch.zeros(8, k)))
-    assert [step for step, k in enumerate(choices) if k] == [0, 1, 2], choices
-    alone = stub_group(1)
+    no drafting step at all, not the first ones and no probe; one row, where width is free, drafts."""
+    def table(cost):
+        return {(rows, width): rows * (1.0 if rows == 1 else cost(width)) for rows in (1, 2, 4, 8)
+                for width in range(1, 6)}
+
+    policy = prepared(ConfidenceScheduler(table=table(lambda w: 4.0 * w - 3.0), patience=3, explore=4))
+    group, alone = stub_group(8), stub_group(1)
+    assert not any(policy.draft_tokens(None, group) for _ in range(300))
     assert max(policy.draft_tokens(None, alone) for _ in range(8)) == 4
+
+    # A close call at 8 rows (a draft doubles the verification): drafting is tried at the acceptance
+    # assumed before any outcome, but not once the target granted a third of the first drafts at one row.
+    close = table(float)
+    assert prepared(ConfidenceScheduler(table=close, patience=3, explore=4)).draft_tokens(None, group) == 4
+    policy = prepared(ConfidenceScheduler(table=close, patience=3, explore=4))
+    for step in range(12):
+        k = policy.draft_tokens(None, alone)
+        assert k == 4
+        lengths = policy.cut(None, alone, Proposal(torch.randint(0, 300, (1, k)), torch.full((1,), k),
+                                                   confidence=torch.full((1, k), 0.9))).lengths
+        policy.observe(None, alone, int(lengths.max()), lengths.tolist(), [int(step % 3 == 0)],
+                       {"draft": 0.0, "step": 1.0})
+    assert policy.losing == 0 and policy.draft_tokens(None, group) == 0
 
 
 def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_gain():

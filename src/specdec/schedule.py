@@ -264,9 +264,9 @@ class ConfidenceScheduler(LoadAware):
     steps' outcomes only, never whether this step's drafts are right, so they stay lossless. A probe
     costs a whole drafting pass, more than a plain step under load (and the pass enters the context
     that waited meanwhile): each probe that still loses doubles the wait before the next (up to
-    ``longest_wait`` steps), one that wins restores ``explore``, and none is made while even the
-    acceptance the target granted so far, at the current batch size's costs, puts a drafting step
-    more than ``margin`` below a plain one (a clear loss, as under heavy load: only fewer rows or
+    ``longest_wait`` steps), one that wins restores ``explore``. No step drafts, probe or not, while
+    even the acceptance the target granted so far, at the current batch size's costs, puts a drafting
+    step more than ``margin`` below a plain one (a clear loss, as under heavy load: only fewer rows or
     cheaper verification bring drafting back).
     """
 
@@ -291,12 +291,15 @@ class ConfidenceScheduler(LoadAware):
 
     def draft_tokens(self, engine, group) -> int:
         k, self.probing = self.k_max, False
+        promising = self.promising(group.size)
         if self.losing >= self.patience:
             self.undrafted += 1
-            if self.undrafted <= self.wait or not self.promising(group.size):
+            if self.undrafted <= self.wait or not promising:
                 k = 0
             else:  # probe: draft once to see whether the confidences came back
                 self.undrafted, self.probing = 0, True
+        elif not promising:
+            k = 0  # a clear loss at this batch size (a wave of requests arrived): not even the first steps
         self.last_choice = k
         return k
 
