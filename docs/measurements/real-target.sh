@@ -210,3 +210,9 @@ done
 echo '{"source": "sharegpt-self", "train_sequences": 4096, "prefix_len": 256, "generated_len": 192}' > self4096.json
 specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config self4096.json --data-dir runs/data \
   --out runs/s12/data/out --ckpt-dir runs/s12/data/ckpt --threads 2 --max-minutes 0   # ids and the 4-layer feature cache
+echo '{"train_sequences": 4096, "ttt_steps": 3, "optim": {"steps": 360, "lr": 5e-4, "warmup_steps": 10, "eval_every": 120}}' > eagle3-4096.json
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3-4096.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s12/eagle3/out --ckpt-dir runs/s12/eagle3/ckpt --threads 2 --max-minutes 32
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
+  -k 2 --drafters eagle3=runs/s12/eagle3/out eagle3=$D/eagle3 eagle --no-transformers --threads 2 \
+  --output $OUT/real-bench-eagle3-s12.json   # then the k = 2 setting recorded in its config and copied into $D/eagle3
