@@ -133,19 +133,14 @@ class Backlog:
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.m:
-            store, mask = keep_rows(self.store, index), keep_rows(self.mask, index)
-            self.store, self.mask = store, mask
+            self.store, self.mask = keep_rows(self.store, index), keep_rows(self.mask, index)
         self.batch_size = index.numel()
 
     def extend(self, other: "Backlog") -> None:
         """Append ``other``'s rows, each row's waiting columns first, holes (invalid) after."""
         joining = other.batch_size
-        if other.m:
-            like = self.store if self.store is not None and self.m else other.store
-            self._room(self.batch_size + joining, max(self.m, other.m), like)
-        elif self.m:
-            self._room(self.batch_size + joining, self.m, self.store)
-        if self.store is not None and (self.m or other.m):
+        if self.m or other.m:
+            self._room(self.batch_size + joining, max(self.m, other.m), self.store if self.m else other.store)
             first, rows = self.batch_size, slice(self.batch_size, self.batch_size + joining)
             self.mask[:first, self.m:other.m] = False
             self.mask[rows, :max(self.m, other.m)] = False

@@ -291,14 +291,13 @@ class ConfidenceScheduler(LoadAware):
 
     def draft_tokens(self, engine, group) -> int:
         k, self.probing = self.k_max, False
-        promising = self.promising(group.size)
         if self.losing >= self.patience:
             self.undrafted += 1
-            if self.undrafted <= self.wait or not promising:
+            if self.undrafted <= self.wait or not self.promising(group.size):
                 k = 0
             else:  # probe: draft once to see whether the confidences came back
                 self.undrafted, self.probing = 0, True
-        elif not promising:
+        elif not self.promising(group.size):
             k = 0  # a clear loss at this batch size (a wave of requests arrived): not even the first steps
         self.last_choice = k
         return k

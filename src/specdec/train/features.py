@@ -143,7 +143,7 @@ def reusable_rows(earlier: "Sequences | None", prefixes: list[list[int]], batch_
 def save_atomic(path: Path, value) -> None:
     """torch.save to ``path`` through a temporary file in its folder, renamed at the end."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".part-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     with os.fdopen(fd, "wb") as handle:
         torch.save(value, handle)
     os.replace(tmp, path)
@@ -171,21 +171,22 @@ def largest_earlier(root: Path, prefix: str, count: int) -> Sequences | None:
             sizes.append((int(tail), path))
     if not sizes:
         return None
-    return cached_sequences(max(sizes)[1], None)
+    return load_sequences(max(sizes)[1])
+
+
+def load_sequences(path: Path) -> Sequences:
+    """A set stored by ``cached_sequences``."""
+    state = torch.load(path, map_location="cpu")
+    prompt_len = torch.as_tensor(state["prompt_len"]).expand(state["tokens"].shape[0])
+    return Sequences(state["tokens"], state["lengths"], prompt_len)
 
 
 def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
     """``make()`` once, stored atomically at ``path``."""
     if path.is_file():
-        state = torch.load(path, map_location="cpu")
-        prompt_len = torch.as_tensor(state["prompt_len"]).expand(state["tokens"].shape[0])
-        return Sequences(state["tokens"], state["lengths"], prompt_len)
+        return load_sequences(path)
     result = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".seq-", dir=path.parent)
-    with os.fdopen(fd, "wb") as handle:
-        torch.save({"tokens": result.tokens, "lengths": result.lengths, "prompt_len": result.prompt_len}, handle)
-    os.replace(tmp, path)
+    save_atomic(path, {"tokens": result.tokens, "lengths": result.lengths, "prompt_len": result.prompt_len})
     return result
 
 
