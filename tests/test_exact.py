@@ -240,6 +240,41 @@ def test_products_without_a_norm_and_past_the_kept_work_memory_keep_each_rows_bi
         assert torch.equal(kernels.linear(spaced[:, :K], matrix), y)
 
 
+def test_bfloat16_products_on_amx_tiles_keep_each_rows_bits():
+    """Where the CPU has AMX-BF16, bfloat16 products with K a multiple of 32 run on the tile unit
+    (weights packed as pairs): every row of blocks of 1-17, 33 and 64 rows, one thread or two, with a
+    norm, bias and residual or without, has the bits it has alone, and the products stay within
+    bfloat16 rounding of the float64 product."""
+    if kernels.available() is not None or not kernels.amx_pairs(64):
+        pytest.skip("no AMX-BF16 tiles here")
+    assert not kernels.amx_pairs(72)  # other sizes keep the AVX-512 code
+    generator = torch.Generator().manual_seed(6)
+    for K, N in ((64, 40), (576, 200)):
+        w = (0.1 * torch.randn(K, N, generator=generator)).bfloat16()
+        matrix = kernels.Matrix.pack(w)
+        assert matrix.packed.dim() == 4 and torch.equal(matrix.unpack(), w)
+        x = torch.randn(64, K, generator=generator).bfloat16()
+        bias = torch.randn(N, generator=generator).bfloat16()
+        residual = torch.randn(64, N, generator=generator).bfloat16()
+        y = kernels.linear(x, matrix)
+        assert torch.allclose(y.double(), x.double() @ w.double(), atol=0.05, rtol=2e-2)
+        normed = kernels.linear(x, matrix, bias=bias, residual=residual, norm_eps=1e-5)
+        library, saved = kernels.library(), kernels.library().sd_parallel_threshold()
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            library.sd_set_parallel_threshold(1)  # two threads split even one row's columns
+            try:
+                for rows in [*range(1, 18), 33, 64]:
+                    for start in {0, 64 - rows}:
+                        part = slice(start, start + rows)
+                        assert torch.equal(kernels.linear(x[part], matrix), y[part]), (K, rows, threads)
+                        assert torch.equal(kernels.linear(x[part], matrix, bias=bias, residual=residual[part],
+                                                          norm_eps=1e-5), normed[part]), (K, rows, threads)
+            finally:
+                kernels.set_threads(torch.get_num_threads())
+                library.sd_set_parallel_threshold(saved)
+
+
 def test_products_of_mismatched_shapes_are_refused_before_the_kernel_reads_past_a_tensor():
     matrix = kernels.Matrix.pack(torch.randn(8, 24))
     x = torch.randn(3, 8)

@@ -99,7 +99,13 @@ static inline void store1(void* p, long i, float v, int dtype) {
 static inline float stored(float v, int dtype) {
     if (dtype == BF16) return from_bf16(to_bf16(v));
 #if SD_HALF
-    if (dtype == F16) return (float)(half_t)v;
+    if (dtype == F16) {
+        /* The half goes through memory: GCC 12 with AVX512-FP16 vectorised (float)(half)v in a loop
+           into nothing at all, which silently kept the float's extra bits. */
+        half_t h = (half_t)v;
+        __asm__ volatile("" : "+m"(h));
+        return (float)h;
+    }
 #endif
     return v;
 }
@@ -652,8 +658,130 @@ static int product_parts(long fmas, long weight_bytes, long split_bytes, long pa
     return parts > panels ? (int)panels : parts;
 }
 
+/* ---- AMX: bfloat16 products on the tile unit -------------------------------------------------
+ * Where the CPU has AMX-BF16 (and the OS grants the tile state), a bfloat16 product whose input size
+ * K is a multiple of 32 runs on tiles: its weights packed at load as pairs, [panels][K/2][16][2] (the
+ * pair (k, k + 1) of a column in one 32-bit word, the layout tdpbf16ps reads), its input rows read as
+ * they are. A tile of up to 16 rows x 16 columns keeps one float32 chain per output; tdpbf16ps adds
+ * 32 inputs' products to each chain per step, steps in input order. The unit computes every row of a
+ * tile by the same circuit, so a row's result depends on its own inputs and the weights only: the
+ * same bits alone, in a block of 17, in a tree or beside other rows (tested for 1-64 rows and both
+ * thread counts). They are the tile unit's own bits: not those of the AVX512-BF16 pair chains or of the
+ * FMA chains (measured: 39-43 of 64 outputs differ in the last place from either sequential order), and
+ * which path a matrix takes depends on K and the machine only, never on the rows of a call.
+ * SPECDEC_AMX=0 in the environment keeps the AVX-512 code (to compare the two). */
+#if defined(SD_WIDE) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SD_AMX 1
+static int amx_state = -1;
+static int amx_usable(void) {
+    if (amx_state < 0) {
+        const char* env = getenv("SPECDEC_AMX");
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): Linux hands out the tile state
+           per process on request. */
+        amx_state = !(env && env[0] == '0') && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return amx_state;
+}
+static int amx_pairs(long K, int dtype) { return dtype == BF16 && K % 32 == 0 && amx_usable(); }
+struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+/* Tiles 0-3: R rows x 16 float32 chains (four panels); 4: R rows x 32 bfloat16 inputs; 5-7: 16 rows of
+   16 weight pairs. Tile configuration is per thread. */
+static void amx_configure(int R) {
+    struct amx_config c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = t < 5 ? R : 16; c.colsb[t] = 64; }
+    __asm__ volatile("" : : "r"(&c) : "memory");  /* the stores above happen before the load */
+    _tile_loadconfig(&c);
+}
+#define AMX_PANEL(B, p)                                                                            \
+    {                                                                                              \
+        _tile_loadd(B, w + ((p) * K2 + kc * 16) * 32, 64);                                         \
+        _tile_dpbf16ps(p, 4, B);                                                                   \
+    }
+/* Rows [x, x + R rows) (row stride ld bytes) times P <= 4 panels from w: chains into acc [R][8 * NR]. */
+static void amx_tile(const uint16_t* x, long ld, long K, const uint16_t* w, int P, float* acc) {
+    long K2 = K / 2;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (long kc = 0; kc < K / 32; kc++) {
+        _tile_loadd(4, x + kc * 32, ld);
+        AMX_PANEL(5, 0)
+        if (P > 1) AMX_PANEL(6, 1)
+        if (P > 2) AMX_PANEL(7, 2)
+        if (P > 3) AMX_PANEL(5, 3)
+    }
+    long lda = 8 * NR * sizeof(float);
+    _tile_stored(0, acc, lda);
+    if (P > 1) _tile_stored(1, acc + NR, lda);
+    if (P > 2) _tile_stored(2, acc + 2 * NR, lda);
+    if (P > 3) _tile_stored(3, acc + 3 * NR, lda);
+}
+struct amx_job {
+    const uint16_t* x; long ld; const uint16_t* wp; long M, K, N;
+    struct linear_out out;
+};
+static void amx_part(void* arg, int part, int parts) {
+    struct amx_job* j = arg;
+    long panels = (j->N + NR - 1) / NR, p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
+    long pstride = j->K * NR, blocks = wide_blocks(j->M);
+    float acc[WIDE_ROWS * 8 * NR];
+    /* As linear_panels: panel groups of about 256 KiB outer (they stay in L2 while every row block
+       uses them), row blocks inner; one block takes its whole range at once. */
+    long group = blocks == 1 ? p1 - p0 : 262144 / (pstride * 2);
+    if (group < 4) group = 4;
+    int configured = 0;
+    for (long p = p0; p < p1; p += group) {
+        long end = p + group < p1 ? p + group : p1;
+        for (long b = 0; b < blocks; b++) {
+            long m0 = row_start(j->M, blocks, b);
+            int R = (int)(row_start(j->M, blocks, b + 1) - m0);
+            if (R != configured) { amx_configure(R); configured = R; }
+            for (long q = p; q < end; q += 4) {
+                int P = end - q < 4 ? (int)(end - q) : 4;
+                amx_tile(j->x + m0 * (j->ld / 2), j->ld, j->K, j->wp + q * pstride, P, acc);
+                finish_tile(&j->out, acc, 8 * NR, m0, R, q * NR, P * NR);
+            }
+        }
+    }
+    if (configured) _tile_release();
+}
+static int linear_amx(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
+                      const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+    int owned = 0;
+    float *scale = NULL, *work = NULL;
+    if (norm_eps >= 0) {  /* the norm's 1 / rms per row, applied to the finished chains */
+        work = scratch_get(SCRATCH_PRODUCT, sizeof(float) * (size_t)(K + M), &owned);
+        if (!work) return 1;
+        scale = work + K;
+        for (long m = 0; m < M; m++) {
+            widen((const uint16_t*)x + m * ldx, K, dtype, work);
+            scale[m] = inverse_rms(work, K, norm_eps);
+        }
+    }
+    struct amx_job job = {x, ldx * 2, wp, M, K, N, {bias, residual, y, N, ldr, ldy, dtype, scale}};
+    long panels = (N + NR - 1) / NR;
+    run_parallel(amx_part, &job, product_parts(M * K * N, panels * NR * K * 2, 2 * parallel_bytes, panels));
+    if (work) scratch_put(work, owned);
+    return 0;
+}
+#endif
+/* 1 where a bfloat16 product with input size K runs on the tile unit (its weights packed as pairs). */
+int sd_amx_pairs(long K) {
+#if defined(SD_AMX)
+    return amx_pairs(K, BF16);
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
               const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+#if defined(SD_AMX)
+    if (amx_pairs(K, dtype)) return linear_amx(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
+#endif
 #if defined(SD_WIDE)
     size_t copies = 2;  /* row-major for the norm, then packed by row blocks */
 #else
@@ -1280,9 +1408,10 @@ static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in,
             v8 g = load8(gate_up, m * ld_in + i, dtype), u = load8(gate_up, m * ld_in + I + i, dtype);
             v8 silu = v_div(g, v_add(v_set1(1.0f), v_exp(v_mul(g, v_set1(-1.0f)))));
             if (dtype != F32) { /* as the model would store it */
-                float narrow[8]; /* room for eight of any dtype */
-                store8(narrow, 0, silu, dtype);
-                silu = load8(narrow, 0, dtype);
+                float lane[8];
+                v_store(lane, silu);
+                for (int l = 0; l < 8; l++) lane[l] = stored(lane[l], dtype);
+                silu = v_load(lane);
             }
             store8(out, m * ld_out + i, v_mul(silu, u), dtype);
         }

@@ -170,6 +170,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_set_spin": [i],
         "sd_greedy_accept": [p, i, i, i, i, i, p, i, p, p, p, n],
         "sd_argmax": [p, i, i, i, n, p],
+        "sd_amx_pairs": [i],
     }
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
@@ -244,6 +245,13 @@ def peak_macs(integer: bool, seconds: float = 0.2, bfloat16: bool = False) -> fl
         iters *= 2 if elapsed < seconds / 4 else 1 + int(seconds / max(elapsed, 1e-9))
 
 
+def amx_pairs(k: int) -> bool:
+    """Whether bfloat16 products with input size ``k`` run on the CPU's AMX tiles here (AMX-BF16, the
+    OS granting the tile state, k a multiple of 32, SPECDEC_AMX not 0): their weights are then packed
+    as the tile unit reads them."""
+    return available() is None and bool(library().sd_amx_pairs(k))
+
+
 def set_threads(threads: int) -> int:
     """Threads the kernels use, the caller included (default: torch.get_num_threads())."""
     return library().sd_set_threads(threads)
@@ -286,10 +294,14 @@ class Matrix:
         panels = -(-n // PANEL)
         padded = w.new_zeros(k, panels * PANEL)
         padded[:, :n] = w
+        if w.dtype == torch.bfloat16 and amx_pairs(k):   # the tile unit's layout: [panels, K/2, 16, 2]
+            return cls(padded.view(k // 2, 2, panels, PANEL).permute(2, 0, 3, 1).contiguous(), k, n)
         return cls(padded.view(k, panels, PANEL).permute(1, 0, 2).contiguous(), k, n)
 
     def unpack(self) -> torch.Tensor:
         """The [K, N] matrix back (tests, exports)."""
+        if self.packed.dim() == 4:
+            return self.packed.permute(1, 3, 0, 2).reshape(self.rows, -1)[:, :self.cols]
         return self.packed.permute(1, 0, 2).reshape(self.rows, -1)[:, :self.cols]
 
 
