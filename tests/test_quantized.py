@@ -111,6 +111,26 @@ def test_every_build_computes_the_same_bits(builds, qtype, monkeypatch):
     assert all(torch.equal(first, other) for other in results.values()), list(results)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_tiles_compute_the_vector_codes_bits(qtype):
+    """Where the CPU has AMX-INT8, row blocks of a quantized product take the tile unit from a row
+    count on (kernels.c, amx_q_rows): forced on for every block and forced off, every row of every
+    block size has the same bits."""
+    lib = kernels.library()
+    if not kernels.amx_pairs(32):
+        pytest.skip("no AMX tiles here")
+    code = kernels.QTYPES[qtype]
+    w, x, residual, bias = product_case(qtype, 64, seed=4)
+    results, saved = {}, lib.sd_set_amx_q_rows(code, 1)
+    try:
+        for rows_from in (1, 17):
+            lib.sd_set_amx_q_rows(code, rows_from)
+            results[rows_from] = [run(x[:rows], w, residual[:rows], bias) for rows in [*range(1, 18), 33, 64]]
+    finally:
+        lib.sd_set_amx_q_rows(code, saved)
+    assert all(torch.equal(a, b) for a, b in zip(results[1], results[17]))
+
+
 def test_an_input_size_not_a_multiple_of_32_is_refused():
     with pytest.raises(ValueError, match="divisible by 32"):
         QMatrix.quantize(torch.randn(8, 40), "Q8_0")

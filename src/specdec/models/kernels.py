@@ -171,6 +171,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_greedy_accept": [p, i, i, i, i, i, p, i, p, p, p, n],
         "sd_argmax": [p, i, i, i, n, p],
         "sd_amx_pairs": [i],
+        "sd_set_amx_q_rows": [n, n],
     }
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
