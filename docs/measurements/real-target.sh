@@ -216,3 +216,12 @@ specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --confi
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 16 --max-new-tokens 128 \
   -k 2 --drafters eagle3=runs/s12/eagle3/out eagle3=$D/eagle3 eagle --no-transformers --threads 2 \
   --output $OUT/real-bench-eagle3-s12.json   # then the k = 2 setting recorded in its config and copied into $D/eagle3
+
+# Thirteenth session (Intel Xeon, family 6 model 167, AMX-BF16/INT8; 2 threads): bfloat16 and quantized products
+# on the tile unit; before = commit 87540c3 on the same machine, after = this session's kernels
+python docs/measurements/cost_curves.py --threads 1 2 --output $OUT/cost-curves-amx-s13.json
+for amx in 1 0; do
+  SPECDEC_AMX=$amx specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 \
+    --max-new-tokens 128 --drafters eagle3 eagle dflash dspark --no-transformers --threads 2 \
+    --output $OUT/real-bench-$([ $amx = 1 ] && echo amx || echo noamx)-s13.json
+done

@@ -14,8 +14,9 @@
  *   exact zero (the maximum skips it), so holes, padding and compaction change nothing.
  * - bfloat16 tensors are widened to float32 (exactly) on load and rounded to nearest even once,
  *   when a result is stored. Where the compiler targets AVX512-BF16, bfloat16 products are one
- *   chain of pair dot products instead (see the AVX512-BF16 section): still one fixed sequence per
- *   output, but that build's own bits.
+ *   chain of pair dot products instead (see the AVX512-BF16 section), and where the CPU has AMX-BF16
+ *   one chain per output on the tile unit (see the AMX section): still one fixed sequence per
+ *   output, but that machine's own bits.
  *
  * The vector code (AVX-512 where the compiler targets it, else AVX2 + FMA) and the portable
  * fallback perform the same operations, element by element, so the results do not depend on
