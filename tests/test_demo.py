@@ -94,3 +94,16 @@ def test_bench_records_the_fastest_setting_and_the_drafter_uses_it(tmp_path, cap
     out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=16)
     assert out.token_ids == plain.token_ids
     assert Eagle(zoo_path("eagle3")).default_tree is None  # the committed zoo folder records nothing
+
+
+def test_demo_runs_the_real_target_in_bfloat16_where_the_cpu_computes_it(monkeypatch):
+    from specdec.commands.demo import demo_dtype
+    from specdec.models import kernels
+
+    monkeypatch.setattr(kernels, "fast_bfloat16", lambda: True)
+    assert demo_dtype("auto", zoo=False) == "bfloat16"
+    assert demo_dtype("auto", zoo=True) == "float32"
+    assert demo_dtype("float32", zoo=False) == "float32"
+    monkeypatch.setattr(kernels, "fast_bfloat16", lambda: False)
+    assert demo_dtype("auto", zoo=False) == "float32"
+    assert demo_dtype("bfloat16", zoo=True) == "bfloat16"

@@ -77,11 +77,22 @@ def fastest(result: dict) -> dict | None:
     return max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
 
 
+def demo_dtype(asked: str, zoo: bool) -> str:
+    """The precision the demo runs in: ``asked``, or for "auto" bfloat16 where the CPU computes it in
+    its vector units (AVX512-BF16 or AMX: there the real target streams half the bytes and verifies
+    a block on bfloat16 dot products) and float32 elsewhere; the zoo's target stays float32."""
+    if asked != "auto":
+        return asked
+    from specdec.models.kernels import fast_bfloat16
+
+    return "bfloat16" if not zoo and fast_bfloat16() else "float32"
+
+
 def run_demo(args) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from specdec.backends.target import load_target
+    from specdec.backends.target import load_target, parse_dtype
     from specdec.commands.bench import format_table, run_bench, variant_engine
     from specdec.drafters import DraftModel
     from specdec.drafters.mtp import is_modules_folder
@@ -92,12 +103,13 @@ def run_demo(args) -> int:
     hf_logging.disable_progress_bar()
     threads = args.threads or (1 if args.zoo else 2)
     torch.set_num_threads(threads)
+    dtype = demo_dtype(args.dtype, args.zoo)
     with tempfile.TemporaryDirectory() as workdir:
         target_dir, draft_dir, trained, texts, description = _models(Path(workdir)) if args.zoo else _real_models()
         print(f"specdec demo: {description}; {len(texts)} held-out prompts, {args.max_new_tokens} new tokens, "
-              f"{threads} thread{'s' if threads > 1 else ''}", file=sys.stderr)
-        target = load_target(target_dir)
-        draft = DraftModel(draft_dir) if draft_dir is not None else None
+              f"{dtype}, {threads} thread{'s' if threads > 1 else ''}", file=sys.stderr)
+        target = load_target(target_dir, dtype=dtype)
+        draft = DraftModel(draft_dir, dtype=parse_dtype(dtype)) if draft_dir is not None else None
         # A variant is a model of its own, run beside its own plain decoding; MTP modules trained beside a
         # frozen real target draft for the target itself, like any drafter.
         own = [(name, folder) for name, folder in trained if name in VARIANT_NAMES and not is_modules_folder(folder)]
@@ -133,4 +145,7 @@ def add_demo_command(commands) -> None:
                                                          "real SmolLM2-135M-Instruct")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; 1 with --zoo: the zoo's "
                                                                 "models are too small for a second thread to pay)")
+    demo.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="the target's precision (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX, "
+                           "float32 elsewhere and for the zoo)")
     demo.set_defaults(func=run_demo)
