@@ -69,10 +69,16 @@ def machine_limit(backend, sizes, context: int) -> dict:
     work = weight_work(model)
     bandwidth = read_bandwidth()
     peak_float = kernels.peak_macs(False, bfloat16=work["bfloat16"])  # AVX512-BF16 pair dot products where used
+    # bfloat16 products on AMX tiles where they run there (their input sizes multiples of 32); attention stays
+    # on the vector units
+    tiles = work["bfloat16"] and kernels.amx_pairs(model.hidden_size)
+    peak_products = kernels.peak_macs(False, tiles=True) if tiles else peak_float
     peak_int8 = kernels.peak_macs(True) if work["int8_macs"] else 0.0
     attention = 2 * len(model.layers) * model.heads * model.head_dim * context
-    per_token = (work["float_macs"] + attention) / peak_float + (work["int8_macs"] / peak_int8 if peak_int8 else 0.0)
+    per_token = (work["float_macs"] / peak_products + attention / peak_float
+                 + (work["int8_macs"] / peak_int8 if peak_int8 else 0.0))
     stream = work["bytes"] / bandwidth
     return {"weight_bytes": work["bytes"], "bandwidth_gb_s": bandwidth / 1e9, "peak_float_gmac_s": peak_float / 1e9,
+            "peak_tiles_gmac_s": peak_products / 1e9 if tiles else None,
             "peak_int8_gmac_s": peak_int8 / 1e9, "stream_ms": 1e3 * stream,
             "ms": {str(n): 1e3 * max(stream, n * per_token) for n in sizes}}

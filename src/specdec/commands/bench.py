@@ -658,7 +658,9 @@ def format_table(result: dict) -> str:
                 f"  the machine's limit ({curve['weights']} weights, {limit['weight_bytes'] / 2**20:.0f} MiB read at "
                 f"{limit['bandwidth_gb_s']:.1f} GB/s = {limit['stream_ms']:.2f} ms; vector peak "
                 f"{limit['peak_float_gmac_s']:.0f} GFMA/s float32" + (f", {limit['peak_int8_gmac_s']:.0f} GMAC/s int8"
-                                                                       if limit["peak_int8_gmac_s"] else "") + "):")
+                                                                       if limit["peak_int8_gmac_s"] else "")
+                + (f", {limit['peak_tiles_gmac_s']:.0f} GMAC/s bfloat16 on AMX tiles" if limit.get("peak_tiles_gmac_s")
+                   else "") + "):")
             lines.append("  n      T(n) ms   limit ms   T/limit")
             for n, ms in curve["ms"].items():
                 lines.append(f"  {n:<6} {ms:9.2f} {limit['ms'][n]:10.2f} {ms / limit['ms'][n]:9.2f}")

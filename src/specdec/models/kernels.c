@@ -719,6 +719,39 @@ static void amx_tile(const uint16_t* x, long ld, long K, const uint16_t* w, int 
     if (P > 2) _tile_stored(2, acc + 2 * NR, lda);
     if (P > 3) _tile_stored(3, acc + 3 * NR, lda);
 }
+/* Two row blocks at once (R0 and R1 rows), P <= 2 panels: each weight tile meets both blocks' inputs, so a
+   block of 17-32 rows reads the weights once. Tiles 0-1: block 0's chains, 2-3: block 1's; 4, 5: their
+   inputs; 6, 7: the panels' weights. Each chain takes the same steps as in amx_tile: the same bits. */
+static void amx_configure2(int R0, int R1) {
+    struct amx_config c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {R0, R0, R1, R1, R0, R1, 16, 16};
+    for (int t = 0; t < 8; t++) { c.rows[t] = rows[t]; c.colsb[t] = 64; }
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+static void amx_tile2(const uint16_t* x0, const uint16_t* x1, long ld, long K, const uint16_t* w, int P,
+                      float* acc0, float* acc1) {
+    long K2 = K / 2;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (long kc = 0; kc < K / 32; kc++) {
+        _tile_loadd(4, x0 + kc * 32, ld);
+        _tile_loadd(5, x1 + kc * 32, ld);
+        _tile_loadd(6, w + kc * 16 * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (P > 1) {
+            _tile_loadd(7, w + (K2 + kc * 16) * 32, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    long lda = 8 * NR * sizeof(float);
+    _tile_stored(0, acc0, lda);
+    _tile_stored(2, acc1, lda);
+    if (P > 1) { _tile_stored(1, acc0 + NR, lda); _tile_stored(3, acc1 + NR, lda); }
+}
 struct amx_job {
     const uint16_t* x; long ld; const uint16_t* wp; long M, K, N;
     struct linear_out out;
@@ -727,17 +760,30 @@ static void amx_part(void* arg, int part, int parts) {
     struct amx_job* j = arg;
     long panels = (j->N + NR - 1) / NR, p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     long pstride = j->K * NR, blocks = wide_blocks(j->M);
-    float acc[WIDE_ROWS * 8 * NR];
+    float acc[WIDE_ROWS * 8 * NR], acc1[WIDE_ROWS * 8 * NR];
     /* As linear_panels: panel groups of about 256 KiB outer (they stay in L2 while every row block
-       uses them), row blocks inner; one block takes its whole range at once. */
-    long group = blocks == 1 ? p1 - p0 : 262144 / (pstride * 2);
+       uses them), row blocks inner, two at a time; one or two blocks take their whole range at once. */
+    long group = blocks <= 2 ? p1 - p0 : 262144 / (pstride * 2);
     if (group < 4) group = 4;
-    int configured = 0;
+    int configured = 0;  /* the rows the tiles are configured for: R, or 100 R0 + R1 for two blocks */
     for (long p = p0; p < p1; p += group) {
         long end = p + group < p1 ? p + group : p1;
         for (long b = 0; b < blocks; b++) {
-            long m0 = row_start(j->M, blocks, b);
-            int R = (int)(row_start(j->M, blocks, b + 1) - m0);
+            long m0 = row_start(j->M, blocks, b), m1 = row_start(j->M, blocks, b + 1);
+            int R = (int)(m1 - m0);
+            if (b + 1 < blocks) {  /* blocks b and b + 1 together */
+                int R1 = (int)(row_start(j->M, blocks, b + 2) - m1);
+                if (100 * R + R1 != configured) { amx_configure2(R, R1); configured = 100 * R + R1; }
+                for (long q = p; q < end; q += 2) {
+                    int P = end - q < 2 ? (int)(end - q) : 2;
+                    amx_tile2(j->x + m0 * (j->ld / 2), j->x + m1 * (j->ld / 2), j->ld, j->K, j->wp + q * pstride, P,
+                              acc, acc1);
+                    finish_tile(&j->out, acc, 8 * NR, m0, R, q * NR, P * NR);
+                    finish_tile(&j->out, acc1, 8 * NR, m1, R1, q * NR, P * NR);
+                }
+                b++;
+                continue;
+            }
             if (R != configured) { amx_configure(R); configured = R; }
             for (long q = p; q < end; q += 4) {
                 int P = end - q < 4 ? (int)(end - q) : 4;
@@ -1297,6 +1343,26 @@ static void peak_part(void* arg, int part, int parts) {
     struct peak_job* j = arg;
     double sum = 0;
     (void)parts;
+#if defined(SD_AMX)
+    if (j->integer == 3) {  /* the tile unit's bfloat16 products: 16 x 16 x 32 multiply-adds per instruction */
+        if (!amx_usable()) { j->sums[part] = 0; return; }
+        uint16_t ones[16 * 32];
+        float out[16 * 16];
+        for (int i = 0; i < 16 * 32; i++) ones[i] = 0x3f80;  /* 1.0 */
+        amx_configure(16);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_loadd(4, ones, 64); _tile_loadd(5, ones, 64); _tile_loadd(6, ones, 64);
+        for (long t = 0; t < j->iters; t++) {
+            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(3, 4, 6);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 5); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(3, 4, 5);
+            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 5); _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, out, 64);
+        _tile_release();
+        j->sums[part] = out[0];
+        return;
+    }
+#endif
 #if defined(SD_BF16_DOT)
     if (j->integer == 2) {
         __m512 acc[12];
@@ -1366,6 +1432,7 @@ static void peak_part(void* arg, int part, int parts) {
     j->sums[part] = sum;
 }
 static long peak_lanes(int integer) {
+    if (integer == 3) return 16 * 16 * 32;
 #if defined(SD_BF16_DOT)
     if (integer == 2) return 32;
 #endif

@@ -229,17 +229,19 @@ def supported_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPES
 
 
-def peak_macs(integer: bool, seconds: float = 0.2, bfloat16: bool = False) -> float:
+def peak_macs(integer: bool, seconds: float = 0.2, bfloat16: bool = False, tiles: bool = False) -> float:
     """Multiply-adds per second the vector units sustain on the kernels' threads: independent chains of
     float32 FMAs (integer=False), of the int8 dot products the quantized products use (True), or
-    (bfloat16=True) of what bfloat16 products run on: AVX512-BF16 pair dot products, else FMAs."""
+    (bfloat16=True) of what bfloat16 products run on: AVX512-BF16 pair dot products, else FMAs;
+    ``tiles``: the AMX tile unit's bfloat16 products (where amx_pairs says they run)."""
     import time
 
     lib, macs = library(), ctypes.c_double()
     iters = 1 << 16
+    mode = 3 if tiles else 2 if bfloat16 and not integer else int(integer)
     while True:
         start = time.perf_counter()
-        lib.sd_peak(2 if bfloat16 and not integer else int(integer), iters, ctypes.byref(macs))
+        lib.sd_peak(mode, iters, ctypes.byref(macs))
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return macs.value / elapsed
