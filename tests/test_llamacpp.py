@@ -74,3 +74,25 @@ def test_llama_cpp_prompt_lookup_equals_its_plain_decoding(model_dirs, tiny_gguf
         for prompt, expected in zip(prompts, plain):
             output, steps = runner.lookup(prompt, 24, eos, 4)
             assert output == expected and steps <= len(output)
+
+
+def test_repacking_off_wraps_llama_cpps_default_model_parameters(monkeypatch):
+    """--no-repack: models loaded meanwhile get use_extra_bufts False (llama-bench --repack 0), and the
+    default parameters are llama.cpp's own again afterwards."""
+    import sys
+    import types
+
+    from specdec.commands import llamacpp
+
+    class Params:
+        use_extra_bufts = True
+
+    inner = types.SimpleNamespace(llama_model_default_params=lambda: Params())
+    package = types.ModuleType("llama_cpp")
+    package.llama = types.SimpleNamespace(llama_cpp=inner)
+    monkeypatch.setitem(sys.modules, "llama_cpp", package)
+    with llamacpp._repacking(False):
+        assert inner.llama_model_default_params().use_extra_bufts is False
+    assert inner.llama_model_default_params().use_extra_bufts is True
+    with llamacpp._repacking(True):
+        assert inner.llama_model_default_params().use_extra_bufts is True

@@ -1,7 +1,7 @@
 """T(n) of the real target in every weight type specdec runs, at 1 and 2 threads, beside llama.cpp's
 llama-bench on the same GGUF files when its binaries are given (issue 23's table).
 
-    python docs/measurements/cost_curves.py [--llama-bench BIN_DIR] [--output FILE.json] [--threads 1 2]
+    python docs/measurements/cost_curves.py [--llama-bench BIN_DIR [--llama-repack 0]] [--output FILE.json] [--threads 1 2]
 
 Weight types: the float32 folder (smollm2-135m), the same in bfloat16, the shipped Q4_1 file as it is
 (smollm2-135m-q4_1), and Q8_0 (the float32 folder exported by specdec's GGUF writer). Context 200,
@@ -49,10 +49,10 @@ def specdec_curves(files: dict[str, Path], threads: int) -> dict:
     return out
 
 
-def llama_bench(binaries: Path, model: Path, threads: int) -> dict:
+def llama_bench(binaries: Path, model: Path, threads: int, repack: int = 1) -> dict:
     sizes = ",".join(str(n) for n in COST_SIZES)
     command = [str(binaries / "llama-bench"), "-m", str(model), "-p", sizes, "-n", "64", "-d", str(CONTEXT),
-               "-t", str(threads), "-r", "5", "-o", "json"]
+               "-t", str(threads), "-r", "5", "-o", "json", "--repack", str(repack)]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LD_LIBRARY_PATH": str(binaries)})
     if result.returncode:
         return {"error": result.stderr.strip().splitlines()[-1:]}
@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--llama-bench", type=Path, default=None, metavar="BIN_DIR")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
+                        help="llama-bench --repack (0 where llama.cpp's AMX path crashes: built by GCC 12)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="specdec-costs-"))
     folder = zoo_path("smollm2-135m")
@@ -76,7 +78,7 @@ def main() -> int:
     for threads in args.threads:
         result["specdec"][threads] = specdec_curves(files, threads)
         if args.llama_bench:
-            result["llama.cpp"][threads] = {name: llama_bench(args.llama_bench, path, threads)
+            result["llama.cpp"][threads] = {name: llama_bench(args.llama_bench, path, threads, args.llama_repack)
                                             for name, path in files.items()}
             for name, row in result["llama.cpp"][threads].items():
                 print(f"llama.cpp {name} {threads} thread(s): {row}", flush=True)

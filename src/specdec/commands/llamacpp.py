@@ -27,12 +27,37 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from specdec.errors import InvalidArgumentError, SpecdecError
 
 MISSING = "llama.cpp comparison needs llama-cpp-python (pip install llama-cpp-python)"
+
+
+@contextmanager
+def _repacking(repack: bool):
+    """llama.cpp's repacked weight buffers (its "extra buffer types": AVX-512 and AMX layouts) on or, with
+    ``repack`` False, off for the models loaded inside, as ``llama-bench --repack 0`` turns them off.
+    llama-cpp-python has no argument for it, so its default model parameters are wrapped meanwhile.
+    Needed where llama.cpp's AMX path crashes (built with GCC 12, its tile configuration faults)."""
+    if repack:
+        yield
+        return
+    from llama_cpp import llama as module
+
+    defaults = module.llama_cpp.llama_model_default_params
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_cpp.llama_model_default_params = without_repacking
+    try:
+        yield
+    finally:
+        module.llama_cpp.llama_model_default_params = defaults
 
 
 def _llama_cpp():
@@ -55,7 +80,7 @@ class LlamaCpp:
     """
 
     def __init__(self, gguf_path: str | os.PathLike, n_ctx: int = 2048, threads: int = 1, kv_cache: str = "f32",
-                 logits_all: bool = False):
+                 logits_all: bool = False, repack: bool = True):
         llama_cpp = _llama_cpp()
         import numpy as np
 
@@ -68,9 +93,10 @@ class LlamaCpp:
         self.n_ctx = n_ctx
         kv_type = llama_cpp.GGML_TYPE_F32 if kv_cache == "f32" else llama_cpp.GGML_TYPE_F16
         # n_batch = n_ctx: a prompt is one decode call, as it is one forward pass in specdec.
-        self.llm = llama_cpp.Llama(model_path=os.fspath(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, logits_all=logits_all, verbose=False,
-                                   type_k=kv_type, type_v=kv_type)
+        with _repacking(repack):
+            self.llm = llama_cpp.Llama(model_path=os.fspath(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                       n_threads_batch=threads, logits_all=logits_all, verbose=False,
+                                       type_k=kv_type, type_v=kv_type)
         self.n_vocab = self.llm.n_vocab()
 
     def close(self) -> None:
@@ -222,7 +248,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None,
             tasks: str = "code-completion", num_prompts: int = 10, max_new_tokens: int = 64, k: int = 4,
             threads: int = 1, gguf_path: str | os.PathLike | None = None, backend: str = "auto",
-            kv_caches: tuple[str, ...] = ("f32",), repeats: int = 1, progress: bool = True) -> dict:
+            kv_caches: tuple[str, ...] = ("f32",), repeats: int = 1, progress: bool = True, repack: bool = True) -> dict:
     """Measure llama.cpp's plain decoding beside specdec's methods on the same prompts, interleaved.
 
     Every method runs each prompt ``repeats`` times (after one untimed warm-up prompt), in an order
@@ -281,10 +307,11 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
             gguf_path = gguf_weights(folder) or export(folder, Path(scratch) / "target.gguf", "f32")
         n_ctx = max(len(p) for p in prompts) + max_new_tokens + 8
         methods = {f"llama.cpp plain ({kind} KV)": llama_cpp_method(runners.enter_context(
-            LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind))) for kind in dict.fromkeys(kv_caches)}
+            LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind, repack=repack)))
+            for kind in dict.fromkeys(kv_caches)}
         reference_name = next(iter(methods))
         lookup = runners.enter_context(LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kv_caches[0],
-                                                logits_all=True))
+                                                logits_all=True, repack=repack))
         methods[f"llama.cpp prompt-lookup k={k} ({kv_caches[0]} KV)"] = lambda prompt: lookup_run(lookup, prompt)
         methods.update(specdec)
         rows = {name: {"method": name, "seconds": 0.0, "new_tokens": 0, "outputs": [], "tau_tokens": 0,
@@ -373,12 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache", nargs="+", choices=KV_CACHE_TYPES, default=["f32"],
                         help="llama.cpp's KV cache type(s), one row each; the first is the reference "
                              "(default f32, as specdec's; f16 is llama.cpp's own default)")
+    parser.add_argument("--no-repack", action="store_true",
+                        help="llama.cpp without its repacked weight buffers (llama-bench --repack 0): its AMX path "
+                             "crashes where it was built by GCC 12")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
     try:
         check_output_path(args.json)
         result = compare(args.target, args.draft, args.tasks, args.num_prompts, args.max_new_tokens, args.k,
-                         args.threads, args.gguf, args.backend, tuple(args.kv_cache), args.repeats)
+                         args.threads, args.gguf, args.backend, tuple(args.kv_cache), args.repeats,
+                         repack=not args.no_repack)
         if args.json:
             write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     except SpecdecError as exc:
