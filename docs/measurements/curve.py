@@ -1,5 +1,5 @@
 """T(n) / T(1) of a model on the native backend: python curve.py DIR DTYPE [THREADS] [REPEATS]."""
-import sys, torch, json, specdec
+import sys, torch, specdec
 from specdec.bench import forward_time
 from specdec.target import load_target
 threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
