@@ -225,3 +225,13 @@ for amx in 1 0; do
     --max-new-tokens 128 --drafters eagle3 eagle dflash dspark --no-transformers --threads 2 \
     --output $OUT/real-bench-$([ $amx = 1 ] && echo amx || echo noamx)-s13.json
 done
+echo '{"source": "sharegpt-self", "train_sequences": 4096, "prefix_len": 256, "generated_len": 192}' > self4096.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config self4096.json --data-dir runs/data \
+  --out runs/s13/data/out --ckpt-dir runs/s13/data/ckpt --threads 2 --max-minutes 0   # 27 min of answers, 17 of features here
+cp -r $D/eagle runs/s13/eagle-old
+echo '{"train_sequences": 4096, "head_vocab": 8192, "optim": {"steps": 1400, "lr": 5e-4, "warmup_steps": 20, "eval_every": 700}}' > eagle-4096.json
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config eagle-4096.json --init-from $D/eagle \
+  --data-dir runs/data --out runs/s13/eagle/out --ckpt-dir runs/s13/eagle/ckpt --threads 2 --max-minutes 15
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 --drafters eagle=runs/s13/eagle/out eagle=runs/s13/eagle-old --no-transformers --threads 2 \
+  --output $OUT/real-bench-eagle-s13.json   # then copied into $D/eagle with its k = 2 setting recorded
