@@ -687,15 +687,21 @@ static int amx_usable(void) {
 }
 static int amx_pairs(long K, int dtype) { return dtype == BF16 && K % 32 == 0 && amx_usable(); }
 struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
-/* Tiles 0-3: R rows x 16 float32 chains (four panels); 4: R rows x 32 bfloat16 inputs; 5-7: 16 rows of
-   16 weight pairs. Tile configuration is per thread. */
-static void amx_configure(int R) {
+/* Tiles 0-7 shaped rows[t] x colsb[t] bytes, on this thread (tile configuration is per thread). */
+static void amx_load_config(const int rows[8], const int colsb[8]) {
     struct amx_config c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = t < 5 ? R : 16; c.colsb[t] = 64; }
+    for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = (uint16_t)colsb[t]; }
     __asm__ volatile("" : : "r"(&c) : "memory");  /* the stores above happen before the load */
     _tile_loadconfig(&c);
+}
+static const int amx_wide[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+/* Tiles 0-3: R rows x 16 float32 chains (four panels); 4: R rows x 32 bfloat16 inputs; 5-7: 16 rows of
+   16 weight pairs. */
+static void amx_configure(int R) {
+    const int rows[8] = {R, R, R, R, R, 16, 16, 16};
+    amx_load_config(rows, amx_wide);
 }
 #define AMX_PANEL(B, p)                                                                            \
     {                                                                                              \
@@ -723,13 +729,8 @@ static void amx_tile(const uint16_t* x, long ld, long K, const uint16_t* w, int 
    block of 17-32 rows reads the weights once. Tiles 0-1: block 0's chains, 2-3: block 1's; 4, 5: their
    inputs; 6, 7: the panels' weights. Each chain takes the same steps as in amx_tile: the same bits. */
 static void amx_configure2(int R0, int R1) {
-    struct amx_config c __attribute__((aligned(64)));
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {R0, R0, R1, R1, R0, R1, 16, 16};
-    for (int t = 0; t < 8; t++) { c.rows[t] = rows[t]; c.colsb[t] = 64; }
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    amx_load_config(rows, amx_wide);
 }
 static void amx_tile2(const uint16_t* x0, const uint16_t* x1, long ld, long K, const uint16_t* w, int P,
                       float* acc0, float* acc1) {
@@ -1189,15 +1190,8 @@ static void qlinear_part(void* arg, int part, int parts) {
  * rows x 32 activations; 5-7: 8 groups of 16 columns x 4 codes. */
 #define SD_AMX_Q 1
 static void amx_configure_q(int R) {
-    struct amx_config c __attribute__((aligned(64)));
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 5 ? R : 8;
-        c.colsb[t] = t == 4 ? 32 : 64;
-    }
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    const int rows[8] = {R, R, R, R, R, 8, 8, 8}, colsb[8] = {64, 64, 64, 64, 32, 64, 64, 64};
+    amx_load_config(rows, colsb);
 }
 static inline const uint8_t* amx_codes(const uint8_t* blk, int wtype, uint8_t* unpacked) {
     const uint8_t* codes = blk + (wtype == Q4_1 ? 64 : 32);
