@@ -486,6 +486,11 @@ def test_warn_if_useless_reads_the_deepest_chain_measured():
     assert not features.warn_if_useless({"tau_k1": 1.0, "tau_k2": 1.1, "tau_k3": 1.2, "tau_k10": 1.5}, "tau_k4",
                                         lines.append, "dflash")  # k10 is deeper than k3 (not compared as text)
     assert not features.warn_if_useless({"tau_k1": 1.0, "tau_k3": 1.3}, "tau_k4", lines.append, "dflash")
+    # Not useless, but far from what the method reaches: said as a note, not a warning.
+    assert len(lines) == 2 and all(line.startswith("NOTE: dflash predicts tau") for line in lines)
+    assert "tau 1.50" in lines[0] and "(tau_k10)" in lines[0] and "tau 1.30" in lines[1]
+    lines.clear()
+    assert not features.warn_if_useless({"tau_k4": 2.4}, "tau_k4", lines.append, "eagle3")
     assert lines == []
     assert features.warn_if_useless({"tau_k3": 2.0, "tau_k4": 1.1}, "tau_k4", lines.append, "eagle3")  # key given wins
     assert not features.warn_if_useless({"accept_1": 0.1}, "tau_k4", lines.append, "eagle3")  # nothing measured

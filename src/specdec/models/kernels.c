@@ -1193,39 +1193,43 @@ static void amx_configure_q(int R) {
     const int rows[8] = {R, R, R, R, R, 8, 8, 8}, colsb[8] = {64, 64, 64, 64, 32, 64, 64, 64};
     amx_load_config(rows, colsb);
 }
-static inline const uint8_t* amx_codes(const uint8_t* blk, int wtype, uint8_t* unpacked) {
+/* A Q4 block's 256 bytes of nibbles -> 512 bytes of codes, the unit's weight layout. */
+static inline void amx_unpack(const uint8_t* blk, int wtype, uint8_t* unpacked) {
     const uint8_t* codes = blk + (wtype == Q4_1 ? 64 : 32);
-    if (wtype == Q8_0) return codes;
     const __m512i low = _mm512_set1_epi8(15);
     for (int v = 0; v < 4; v++) {
         __m512i raw = _mm512_loadu_si512((const void*)(codes + v * 64));
         _mm512_storeu_si512((void*)(unpacked + v * 64), _mm512_and_si512(raw, low));
         _mm512_storeu_si512((void*)(unpacked + (4 + v) * 64), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
     }
-    return unpacked;
 }
 #define AMX_QPANEL(T, p)                                                                           \
     if (P > (p)) {                                                                                 \
         const uint8_t* blk = panel + (p) * pbytes + b * bytes;                                     \
         _mm_prefetch((const char*)blk + 4 * pbytes, _MM_HINT_T1);                                  \
-        _tile_loadd(T, amx_codes(blk, wtype, unpacked[p]), 64);                                    \
+        _tile_loadd(T, q4 ? unpacked[b & 1][p] : blk + 32, 64);                                    \
         _tile_zero(p);                                                                             \
         _tile_dpbsud(p, 4, T);                                                                     \
     }
-/* Rows [m0, m0 + R) x panels [panel, panel + P), P <= 4: the finished chains into acc [R][4 * NR]. */
+/* Rows [m0, m0 + R) x panels [panel, panel + P), P <= 4: the finished chains into acc [R][4 * NR].
+ * The 4-bit codes are unpacked one block ahead (two buffers), so the tile unit never loads what the
+ * vector stores have only just written. */
 static void amx_qtile(const struct qrows* x, long m0, int R, const uint8_t* panel, long pbytes, int P, int wtype,
                       float* acc) {
     long nb = x->K / 32, bytes = qblock_bytes(wtype);
-    int z = qzero(wtype), has_m = wtype == Q4_1;
+    int z = qzero(wtype), has_m = wtype == Q4_1, q4 = wtype != Q8_0;
     int32_t sums[WIDE_ROWS][4 * NR];
-    uint8_t unpacked[4][512] __attribute__((aligned(64)));
+    uint8_t unpacked[2][4][512] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++) for (int c = 0; c < 4 * NR; c++) acc[r * 4 * NR + c] = 0.f;
+    if (q4) for (int p = 0; p < P; p++) amx_unpack(panel + p * pbytes, wtype, unpacked[0][p]);
     for (long b = 0; b < nb; b++) {
         _tile_loadd(4, x->a + m0 * x->K + b * 32, x->K);
         AMX_QPANEL(5, 0)
         AMX_QPANEL(6, 1)
         AMX_QPANEL(7, 2)
         AMX_QPANEL(5, 3)
+        if (q4 && b + 1 < nb)
+            for (int p = 0; p < P; p++) amx_unpack(panel + p * pbytes + (b + 1) * bytes, wtype, unpacked[(b + 1) & 1][p]);
         _tile_stored(0, sums[0], sizeof sums[0]);
         if (P > 1) _tile_stored(1, sums[0] + NR, sizeof sums[0]);
         if (P > 2) _tile_stored(2, sums[0] + 2 * NR, sizeof sums[0]);
@@ -1568,18 +1572,46 @@ static inline v8 v_exp(v8 x) {
 #endif
 }
 
-/* s[t] = e^(s[t] - max) over the columns seen (seen[t] nonzero, or all when seen is NULL), 0 elsewhere. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* All-ones lanes where seen[0..7] is nonzero, zero lanes elsewhere. */
+static inline __m256 seen_lanes(const uint8_t* seen) {
+    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)seen));
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(bytes, _mm256_setzero_si256()),
+                                                _mm256_set1_epi32(-1)));
+}
+#endif
+
+/* s[t] = e^(s[t] - max) over the columns seen (seen[t] nonzero, or all when seen is NULL), 0 elsewhere.
+ * The maximum is of a set, the same whatever order finds it (a NaN score is never taken, as in the
+ * scalar comparison; +0 and -0 may tie, and e^(s - (+0)) and e^(s - (-0)) are the same number). */
 static void exp_row(float* s, const uint8_t* seen, long T) {
     float m = -INFINITY;
-    for (long t = 0; t < T; t++) if ((!seen || seen[t]) && s[t] > m) m = s[t];
     long t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    /* Eight lanes of "s > m" maxima, then the lanes; visibility as a lane mask, never a branch. */
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= T; t += 8) {
+        __m256 v = _mm256_loadu_ps(s + t), take = _mm256_cmp_ps(v, mv, _CMP_GT_OQ);
+        if (seen) take = _mm256_and_ps(take, seen_lanes(seen + t));
+        mv = _mm256_blendv_ps(mv, v, take);
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, mv);
+    for (int i = 0; i < 8; i++) if (lane[i] > m) m = lane[i];
+#endif
+    for (; t < T; t++) if ((!seen || seen[t]) && s[t] > m) m = s[t];
+    t = 0;
     for (; t + 8 <= T; t += 8) {
         v8 p = v_exp(v_add(v_load(s + t), v_set1(-m)));
         if (seen) {
+#if defined(__AVX2__) && defined(__FMA__)
+            p = _mm256_and_ps(p, seen_lanes(seen + t));
+#else
             float f[8];
             v_store(f, p);
             for (int i = 0; i < 8; i++) if (!seen[t + i]) f[i] = 0.f;
             p = v_load(f);
+#endif
         }
         v_store(s + t, p);
     }
@@ -1697,6 +1729,34 @@ SCORE_TILE(1)
 #if defined(SD_WIDE)
 SCORE_TILE(3) /* 24 chains: needs AVX-512's 32 registers */
 #define SCORE_ROWS 3
+/* Six rows at once on AVX-512: two keys per register (key 2j in the low eight lanes, 2j + 1 in the
+ * high), the query's eight values in both halves. Each lane runs the chain score_tile_1's lane runs,
+ * and the halves finish through the same tree_sums, so the scores are the same bits. */
+static inline __attribute__((always_inline)) void score_tile_wide6(const float* q, const void* keys, int dtype,
+                                                                   long D, float scale, float* out, long ldo) {
+    __m512 acc[6][4];
+    size_t kstride = D * esize(dtype);
+    for (int r = 0; r < 6; r++) for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (long d = 0; d < D; d += 8) {
+        __m512 qv[6];
+        for (int r = 0; r < 6; r++) qv[r] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + r * D + d))));
+        for (int c = 0; c < 4; c++) {
+            __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(load_key((const char*)keys + 2 * c * kstride, d, dtype)));
+            __m512 kv = _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(load_key((const char*)keys + (2 * c + 1) * kstride, d, dtype)), 1));
+            for (int r = 0; r < 6; r++) acc[r][c] = _mm512_fmadd_ps(qv[r], kv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < 6; r++) {
+        v8 halves[8];
+        float s8[8];
+        for (int c = 0; c < 4; c++) {
+            halves[2 * c] = _mm512_castps512_ps256(acc[r][c]);
+            halves[2 * c + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+        }
+        v_store(s8, tree_sums(halves));
+        for (int c = 0; c < 8; c++) out[r * ldo + c] = s8[c] * scale;
+    }
+}
 #else
 #define SCORE_ROWS 1
 #endif
@@ -1738,6 +1798,7 @@ static inline __attribute__((always_inline)) void score_columns_as(const float* 
         long r = 0;
         const char* keys = kbase + t * D * es;
 #if SCORE_ROWS > 1
+        for (; r + 6 <= rows; r += 6) score_tile_wide6(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
         for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
             score_tile_3(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
 #endif

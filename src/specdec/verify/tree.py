@@ -22,6 +22,7 @@ import math
 import torch
 
 from specdec.errors import InvalidArgumentError
+from specdec.models import kernels
 
 
 # Tree utilities -----------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def verify_tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent
     """
     check_tree(parents, num_nodes)
     batch, size = tokens.shape
-    target_tokens = target_logits.argmax(-1)  # [B, N+1]
+    target_tokens = kernels.argmax(target_logits)  # [B, N+1]: torch's index, in one native call
     if size == 0:
         return (torch.zeros(batch, dtype=torch.long, device=tokens.device),
                 torch.empty(batch, 0, dtype=torch.long, device=tokens.device), target_tokens[:, 0])
