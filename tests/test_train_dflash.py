@@ -62,12 +62,17 @@ def test_training_lowers_the_loss_and_saves_a_drafter_that_decodes_exactly(tmp_p
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"b2_tau", "b4_tau", "accept_3"} <= set(printed) and printed["b4_tau"] == pytest.approx(offline["b4_tau"], abs=1e-3)
 
-    # the second phase continues this drafter (its shape wins over the preset's)
+    # the second phase continues this drafter (its shape wins over the preset's), and keeps the draft
+    # vocabulary it drafted from (without the file every draft would read the whole head)
+    vocab = (tmp_path / "out" / "draft_vocab.json")
+    vocab.write_text(json.dumps({"ids": list(range(0, target.vocab_size, 2))}))
     base = td.PRESETS["tiny"]
     config = replace(base, init_from=str(tmp_path / "out"), shape=replace(base.shape, layers=2),
                      optim=replace(base.optim, steps=4, eval_every=100))
     long = td.train_dflash(config, zoo_path("target"), tmp_path / "long", **QUIET)
     assert long["initialised_from"] == str(tmp_path / "out") and DFlash(tmp_path / "long").config.num_hidden_layers == 1
+    assert (tmp_path / "long" / "draft_vocab.json").read_text() == vocab.read_text()
+    assert DFlash(tmp_path / "long").vocabulary.tolist() == list(range(0, target.vocab_size, 2))
 
 
 def check_resume_is_exact(train, config, tmp_path):

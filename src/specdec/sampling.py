@@ -56,6 +56,14 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of probs [..., V] -> [...] long."""
+    """One draw per row of probs [..., V] (non-negative weights, each row some mass) -> [...] long.
+
+    By the inverse of the cumulative distribution: the first token whose running total (float64)
+    exceeds a uniform draw times the row's total. A token of weight 0 is never drawn (its running total
+    equals the one before it). torch.multinomial draws from the same distribution, but over 49,152
+    tokens it took about 1 ms a row, longer than this whole decoding step's sampling otherwise."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    totals = flat.to(torch.float64).cumsum(-1)
+    uniform = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    drawn = torch.searchsorted(totals, uniform * totals[:, -1:], right=True)
+    return drawn.clamp_(max=flat.shape[-1] - 1).reshape(probs.shape[:-1])

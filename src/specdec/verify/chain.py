@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import sample
+
 
 def _accepted_prefix(accept: torch.Tensor, draft_lengths: torch.Tensor) -> torch.Tensor:
     """Length of the leading run of accepted slots, limited to each row's drafts. accept: [B, k] bool."""
@@ -72,5 +74,5 @@ def verify_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draf
     # A residual with no mass can only come from rounding (target == draft); fall back to the target.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_next)
     next_dist = torch.where(rejected[:, None], residual, target_next)
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(1)
+    next_token = sample(next_dist, generator)
     return num_accepted, next_token

@@ -23,6 +23,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.models import kernels
+from specdec.sampling import sample
 
 
 # Tree utilities -----------------------------------------------------------------------------------
@@ -210,6 +211,6 @@ def verify_tree_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor |
         probs = torch.where(accept[:, None], target_probs[rows, child + 1],
                             torch.where(reject[:, None], _residual(probs, draft_next), probs))
 
-    next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    next_token = sample(probs, generator)
     width = int(num_accepted.max()) if batch else 0
     return num_accepted, path[:, :width], next_token
