@@ -235,3 +235,35 @@ specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config 
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
   -k 2 --drafters eagle=runs/s13/eagle/out eagle=runs/s13/eagle-old --no-transformers --threads 2 \
   --output $OUT/real-bench-eagle-s13.json   # then copied into $D/eagle with its k = 2 setting recorded
+
+# Fourteenth session (the same Xeon, AMX; 2 threads). Trees before and after the native argmax in tree verification
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 -k 2 \
+  --trees 3/2/4 4/2/6 5/3/10 --drafters eagle --no-transformers --threads 2 --output $OUT/real-bench-trees-after-s14.json
+# DFlash and DSpark on equal planned budgets (2.2 and 3.1 s a step measured: 545 and 390 steps), then EAGLE-3, all on the
+# thirteenth session's 4,096 answers and feature cache
+mkdir -p runs/s14/old && for m in dflash dspark eagle3; do cp -r $D/$m runs/s14/old/$m; done
+for run in dflash:545:15 dspark:390:10; do IFS=: read m steps warmup <<< "$run"
+  echo "{\"source\": \"sharegpt-self\", \"train_sequences\": 4096, \"prefix_len\": 256, \"generated_len\": 192, \"optim\": {\"steps\": $steps, \"lr\": 6e-4, \"warmup_steps\": $warmup, \"eval_every\": $steps}}" > $m-4096.json
+  specdec train $m --target smollm2-135m --preset $m-sharegpt --config $m-4096.json --init-from $D/$m --data-dir runs/data \
+    --out runs/s14/$m/out --ckpt-dir runs/s14/$m/ckpt --threads 2 --max-minutes 26
+done
+echo '{"train_sequences": 4096, "ttt_steps": 3, "optim": {"steps": 525, "lr": 4e-4, "warmup_steps": 10, "eval_every": 525}}' > eagle3-4096.json
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3-4096.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s14/eagle3/out --ckpt-dir runs/s14/eagle3/ckpt --threads 2 --max-minutes 30
+O=runs/s14
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  --drafters dflash=$O/dflash/out dflash=$O/old/dflash dspark=$O/dspark/out dspark=$O/old/dspark \
+  --no-transformers --threads 2 --output $OUT/real-bench-block-s14.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  --temperature 0.7 --drafters dflash=$O/dflash/out dspark=$O/dspark/out eagle3=$O/eagle3/out eagle \
+  --no-transformers --threads 2 --output $OUT/real-bench-t07-after-s14.json   # before: the previous commit
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 4 --drafters dflash=$O/dflash/out dspark=$O/dspark/out eagle3=$O/eagle3/out --record \
+  --no-transformers --threads 2 --output $OUT/real-bench-record-s14.json   # then the three folders copied into $D
+# Kernels: each build in its own process, alternated (before = commit d49ce7d's kernels.c)
+git show d49ce7d:src/specdec/models/kernels.c > /tmp/before.c; cp src/specdec/models/kernels.c /tmp/after.c
+C=~/.cache/specdec/models
+for spec in "smollm2-135m-q4_1 float32" "smollm2-135m bfloat16" "smollm2-135m float32"; do set -- $spec
+  for i in 1 2 3; do for s in before after; do python docs/measurements/forward_build.py /tmp/$s.c $C/$1 $2 1,8,16,32 21; done; done
+done
+python docs/measurements/products_variants.py 2 float32 1,8,16,32 /tmp/before.c /tmp/variant1.c ...   # the float32 prefetch variants
