@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 import specdec
 from specdec import TreeConfig
 from specdec.drafters import DraftModel, NoDraft, PromptLookup
-from specdec.sampling import SamplingConfig, probabilities, warp_logits
+from specdec.sampling import SamplingConfig, probabilities, sample, warp_logits
 from specdec.verify import verify_sampling
 
 P_VALUE = 1e-3  # fixed seeds make every test deterministic; a real bias gives p-values far below this
@@ -77,6 +77,25 @@ def run_chain(draft, n=40000, seed=0, one_hot_tokens=None):
     emitted = torch.cat([tokens, nxt[:, None]], dim=1)
     emitted.scatter_(1, accepted[:, None], nxt[:, None])
     return accepted, emitted
+
+
+def test_sample_draws_each_row_from_its_weights():
+    """sampling.sample inverts each row's cumulative weights: unnormalised rows, any leading shape, a weight
+    of 0 never drawn (at either end or between), the frequencies those of the weights (chi-square)."""
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    n = 40_000
+    draws = sample(weights[:, None, :].expand(2, n, 6), generator)  # [2, n]
+    assert draws.shape == (2, n) and draws.dtype == torch.long
+    for row in range(2):
+        counts = torch.bincount(draws[row], minlength=6).double()
+        assert counts[weights[row] == 0].sum() == 0
+        expected = weights[row] / weights[row].sum() * n
+        kept = weights[row] > 0
+        assert chisquare(counts[kept].numpy(), expected[kept].numpy()).pvalue > 1e-3
+    one = torch.zeros(49152)
+    one[49151] = 1.0
+    assert int(sample(one, generator)) == 49151  # a point mass at the last token, one row without a batch
 
 
 @pytest.mark.parametrize("case", ["equal", "uniform", "disjoint", "skewed", "disjoint-second"])
