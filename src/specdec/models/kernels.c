@@ -1572,14 +1572,16 @@ static inline v8 v_exp(v8 x) {
 #endif
 }
 
+/* p with the lanes of columns not seen (seen[0..7] zero) set to +0. */
+static inline v8 v_seen(v8 p, const uint8_t* seen) {
 #if defined(__AVX2__) && defined(__FMA__)
-/* All-ones lanes where seen[0..7] is nonzero, zero lanes elsewhere. */
-static inline __m256 seen_lanes(const uint8_t* seen) {
     __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)seen));
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(bytes, _mm256_setzero_si256()),
-                                                _mm256_set1_epi32(-1)));
-}
+    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bytes, _mm256_setzero_si256())), p);
+#else
+    for (int i = 0; i < 8; i++) if (!seen[i]) p.l[i] = 0.f;
+    return p;
 #endif
+}
 
 /* s[t] = e^(s[t] - max) over the columns seen (seen[t] nonzero, or all when seen is NULL), 0 elsewhere.
  * The maximum is of a set, the same whatever order finds it (a NaN score is never taken, as in the
@@ -1592,7 +1594,7 @@ static void exp_row(float* s, const uint8_t* seen, long T) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (; t + 8 <= T; t += 8) {
         __m256 v = _mm256_loadu_ps(s + t), take = _mm256_cmp_ps(v, mv, _CMP_GT_OQ);
-        if (seen) take = _mm256_and_ps(take, seen_lanes(seen + t));
+        if (seen) take = v_seen(take, seen + t);
         mv = _mm256_blendv_ps(mv, v, take);
     }
     float lane[8];
@@ -1603,17 +1605,7 @@ static void exp_row(float* s, const uint8_t* seen, long T) {
     t = 0;
     for (; t + 8 <= T; t += 8) {
         v8 p = v_exp(v_add(v_load(s + t), v_set1(-m)));
-        if (seen) {
-#if defined(__AVX2__) && defined(__FMA__)
-            p = _mm256_and_ps(p, seen_lanes(seen + t));
-#else
-            float f[8];
-            v_store(f, p);
-            for (int i = 0; i < 8; i++) if (!seen[t + i]) f[i] = 0.f;
-            p = v_load(f);
-#endif
-        }
-        v_store(s + t, p);
+        v_store(s + t, seen ? v_seen(p, seen + t) : p);
     }
     for (; t < T; t++) s[t] = (!seen || seen[t]) ? sd_expf(s[t] + -m) : 0.f;
 }
