@@ -240,6 +240,35 @@ def test_products_without_a_norm_and_past_the_kept_work_memory_keep_each_rows_bi
         assert torch.equal(kernels.linear(spaced[:, :K], matrix), y)
 
 
+def test_bfloat16_panels_with_interleaved_halves_compute_the_plain_layouts_bits(monkeypatch):
+    """The AVX2 builds pack bfloat16 panels with each k-row's halves interleaved (widened by a shift and a
+    mask): the same products, bit for bit, as the plain layout, in the native build and the portable one;
+    a build that does not read them (AVX-512) refuses them in one line."""
+    if kernels.available() is not None:
+        pytest.skip(kernels.available())
+    portable = kernels.load_library(kernels.build(native=False))
+    libraries = [kernels.library(), portable]
+    if kernels.library().sd_bf16_halves() < 0:
+        libraries = [portable]
+        halves = kernels.Matrix.pack(torch.randn(40, 24).bfloat16(), halves=True)
+        with pytest.raises(ValueError, match="another build"):
+            kernels.linear(torch.randn(3, 40).bfloat16(), halves)
+    generator = torch.Generator().manual_seed(7)
+    for K, N in ((37, 45), (200, 163)):
+        w = torch.randn(K, N, generator=generator).bfloat16()
+        halves, plain = kernels.Matrix.pack(w, halves=True), kernels.Matrix.pack(w, halves=False)
+        assert halves.layout == kernels.HALVES and plain.layout == 0 and halves.packed.shape == plain.packed.shape
+        assert torch.equal(halves.unpack(), w) and not torch.equal(halves.packed, plain.packed)
+        bias = torch.randn(N, generator=generator).bfloat16()
+        for library in libraries:
+            monkeypatch.setattr(kernels, "_library", library)
+            for M in (*range(1, 8), 17, 64):
+                x = torch.randn(M, K, generator=generator).bfloat16()
+                assert torch.equal(kernels.linear(x, halves, bias=bias, norm_eps=1e-5),
+                                   kernels.linear(x, plain, bias=bias, norm_eps=1e-5)), (M, library.sd_vector())
+            monkeypatch.undo()
+
+
 def test_bfloat16_products_on_amx_tiles_keep_each_rows_bits():
     """Where the CPU has AMX-BF16, bfloat16 products with K a multiple of 32 run on the tile unit
     (weights packed as pairs): every row of blocks of 1-17, 33 and 64 rows, one thread or two, with a

@@ -56,6 +56,15 @@ static inline v8 v_load_bf16(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+/* Sixteen bfloat16 values stored as pairs (even element, odd element) -> the eight even ones and the
+ * eight odd ones as float32 lanes: a shift and a mask of one load instead of two widening loads. */
+static inline v8 v_load_bf16_even(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)p), 16));
+}
+static inline v8 v_load_bf16_odd(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)p),
+                                                _mm256_set1_epi32((int)0xffff0000u)));
+}
 #define SD_VECTOR "avx2"
 #else
 typedef struct { float l[8]; } v8;
@@ -69,6 +78,12 @@ static inline v8 v_add(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = 
 static inline v8 v_div(v8 a, v8 b) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a.l[i] / b.l[i]; return r; }
 static inline v8 v_load_bf16(const uint16_t* p) {
     v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.l[i], &u, 4); } return r;
+}
+static inline v8 v_load_bf16_even(const uint16_t* p) {
+    v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[2 * i] << 16; memcpy(&r.l[i], &u, 4); } return r;
+}
+static inline v8 v_load_bf16_odd(const uint16_t* p) {
+    v8 r; for (int i = 0; i < 8; i++) { uint32_t u = (uint32_t)p[2 * i + 1] << 16; memcpy(&r.l[i], &u, 4); } return r;
 }
 #define SD_VECTOR "portable"
 #endif
@@ -132,7 +147,11 @@ static inline float inverse_rms(const float* x, long n, float eps) {
 /* ---- matrix products ------------------------------------------------------------------------
  * Weights are packed once at load time into panels of NR columns, [panels][K][NR], the last
  * panel padded with zeros, in the model's dtype. A tile is R rows x P panels of accumulators.
+ * bfloat16 panels may be packed with each k-row's halves interleaved (HALVES: column j at 2j,
+ * column 8 + j at 2j + 1), which the eight-lane builds widen with a shift and a mask; the values
+ * and every chain of operations are those of the plain layout, so the bits are too.
  */
+#define HALVES 6 /* the layout code of such panels (beside the quantized types 3-5) */
 static inline v8 load_f16(const void* w, long at) {
     float f[8];
     for (int i = 0; i < 8; i++) f[i] = load1(w, at + i, F16);
@@ -368,7 +387,8 @@ static int bf16_dot(int dtype) {
 }
 
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
-                          long p0, long p1) {
+                          long p0, long p1, int layout) {
+    (void)layout; /* sd_linear refuses HALVES panels here */
     float acc[WIDE_ROWS * 8 * NR];
     long pstride = K * NR, blocks = wide_blocks(M);
     size_t wsize = esize(o->dtype);
@@ -406,6 +426,8 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
 #define LOAD_F32_HI(w, p, k, pstride) v_load((const float*)(w) + (p) * (pstride) + (k) * NR + 8)
 #define LOAD_BF16(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
 #define LOAD_BF16_HI(w, p, k, pstride) v_load_bf16((const uint16_t*)(w) + (p) * (pstride) + (k) * NR + 8)
+#define LOAD_BF16H(w, p, k, pstride) v_load_bf16_even((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
+#define LOAD_BF16H_HI(w, p, k, pstride) v_load_bf16_odd((const uint16_t*)(w) + (p) * (pstride) + (k) * NR)
 #define LOAD_F16(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR)
 #define LOAD_F16_HI(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR + 8)
 
@@ -441,6 +463,7 @@ static void FN(const float* x, long K, const void* wp, long pstride, float* acc_
 #define PREFETCH_bf16(w, at) ((void)0)
 #endif
 #define PREFETCH_f16 PREFETCH_bf16
+#define PREFETCH_bf16h PREFETCH_bf16
 #define TILES(NAME, LO, HI) \
     TILE2(6, 1, NAME, LO, HI) TILE2(5, 1, NAME, LO, HI) TILE2(4, 1, NAME, LO, HI) TILE2(3, 2, NAME, LO, HI) \
     TILE2(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
@@ -461,14 +484,16 @@ static tile_fn pick_##NAME(int R, int P, int pf) {                              
 typedef void (*tile_fn)(const float*, long, const void*, long, float*, long);
 TILES(f32, LOAD_F32, LOAD_F32_HI)
 TILES(bf16, LOAD_BF16, LOAD_BF16_HI)
+TILES(bf16h, LOAD_BF16H, LOAD_BF16H_HI)
 TILES(f16, LOAD_F16, LOAD_F16_HI)
 
-static tile_fn pick_tile(int R, int P, int dtype, int pf) {
+static tile_fn pick_tile(int R, int P, int dtype, int pf, int layout) {
+    if (layout == HALVES) return pick_bf16h(R, P, pf);
     return dtype == BF16 ? pick_bf16(R, P, pf) : dtype == F16 ? pick_f16(R, P, pf) : pick_f32(R, P, pf);
 }
 
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
-                          long p0, long p1) {
+                          long p0, long p1, int layout) {
     float acc[6 * 6 * NR];
     long pstride = K * NR;
     size_t wsize = esize(o->dtype);
@@ -482,7 +507,7 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
             for (long q = p; q < p + group;) {
                 int P = R >= 4 ? 1 : R == 3 ? 2 : R == 2 ? 3 : 6;
                 if (P > p + group - q) P = (int)(p + group - q);
-                pick_tile(R, P, o->dtype, m == 0 && ahead)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
+                pick_tile(R, P, o->dtype, m == 0 && ahead, layout)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
                                                            pstride, acc, ahead);
                 finish_tile(o, acc, 6 * NR, m, R, q * NR, P * NR);
                 q += P;
@@ -496,6 +521,17 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
 #endif
 
 const char* sd_vector(void) { return SD_VECTOR_PRODUCTS; }
+/* 1 where bfloat16 panels are best packed with interleaved halves (the eight-lane AVX2 products), 0
+ * where the plain layout is (the portable code reads both), -1 where HALVES panels are not read (AVX-512). */
+int sd_bf16_halves(void) {
+#if defined(SD_WIDE)
+    return -1;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 /* 1 where bfloat16 products are dot products of pairs (AVX512-BF16), 0 where they are FMA chains. */
 int sd_bf16_dot(void) {
 #if defined(SD_BF16_DOT)
@@ -630,12 +666,13 @@ static void scratch_put(void* p, int owned) { if (owned) free(p); }
 struct linear_job {
     const void* wp; long M, K, N; const float* xs;  /* xs: x widened, in the layout linear_panels reads */
     struct linear_out out;
+    int layout;  /* 0, or HALVES (bfloat16 panels with interleaved halves) */
 };
 static void linear_part(void* arg, int part, int parts) {
     struct linear_job* j = arg;
     long panels = (j->N + NR - 1) / NR;
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
-    if (p0 < p1) linear_panels(j->M, j->K, j->wp, &j->out, j->xs, p0, p1);
+    if (p0 < p1) linear_panels(j->M, j->K, j->wp, &j->out, j->xs, p0, p1, j->layout);
 }
 
 /* Work below this many multiply-adds runs on the calling thread only: waking a worker costs tens
@@ -826,7 +863,8 @@ int sd_amx_pairs(long K) {
 }
 
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
-              const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
+              const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype, int layout) {
+    if (layout && (layout != HALVES || dtype != BF16 || sd_bf16_halves() < 0)) return 3;
 #if defined(SD_AMX)
     if (amx_pairs(K, dtype)) return linear_amx(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
 #endif
@@ -859,7 +897,7 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
 #endif
         pack_rows(xf, M, K, xs);
 #endif
-    struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}};
+    struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}, layout};
     long panels = (N + NR - 1) / NR;
     run_parallel(linear_part, &job, product_parts(M * K * N, panels * NR * K * (long)esize(dtype), 2 * parallel_bytes,
                                                   panels));
@@ -1035,17 +1073,28 @@ static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t
 #define SD_QVECTOR "avx2"
 #define QROWS 16
 #define QROWS_Q4 16
-/* Eight lanes: a block's 16 columns are two halves of 8, each unpacked once per block into an L1
- * buffer that every row of the tile then reads (the rows' chains live in memory too: each is touched
- * once per block, after some 30 integer operations). Products in int16 pairs by vpmaddubsw: the 4-bit
- * types' eight pair sums of a half add up in int16 (|c a| <= 15 * 127, sixteen products per lane
+#define QSTREAM_ROWS 3 /* tiles of up to this many rows take each block piece by piece */
+#define QAHEAD 4        /* blocks ahead that such a tile asks for */
+/* Eight lanes: a block's 16 columns are two halves of 8. Products in int16 pairs by vpmaddubsw: the
+ * 4-bit types' eight pair sums of a half add up in int16 (|c a| <= 15 * 127, sixteen products per lane
  * < 2^15) before one vpmaddwd; Q8_0 as |q| times a with q's sign (q = c - 128; |q| <= 128, |a| <= 127,
  * a pair fits int16), each pair sum widened at once. Q8_0's sums are then sum q a, which is exactly
- * sum c a - 128 A: the same integer the other builds form, so the same bits after it. */
+ * sum c a - 128 A: the same integer the other builds form, so the same bits after it.
+ * Many rows: each half is unpacked once per block into registers that spill to an L1 buffer, which
+ * every row of the tile then reads (the rows' chains live in memory too). A few rows cannot repay that
+ * buffer: there each 32-byte piece of a block is unpacked and meets every row at once, in registers,
+ * and the block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads, one and two
+ * rows' quantized products 0.72-0.90x the time of the buffered body). Either way the same integer sums
+ * and the same float operations in the same order, so the same bits. */
+static inline __attribute__((always_inline)) __m256 qblock_add(__m256 acc, __m256i sum, __m256 d, __m256 m,
+                                                                const struct qrows* x, long at, int z, int has_m) {
+    sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(z * x->A[at]));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->s[at])), _mm256_cvtepi32_ps(sum), acc);
+    return has_m ? _mm256_fmadd_ps(m, _mm256_set1_ps(x->sA[at]), acc) : acc;
+}
 static inline __attribute__((always_inline)) void qtile_body(const struct qrows* x, long m0, const uint8_t* panel,
                                                              int wtype, float* acc_out, const int R) {
     __m256 acc[QROWS][2];
-    __m256i w[2][16]; /* per half: Q4 nibbles (v low, then v high); Q8_0 |q| then q */
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     long nb = x->K / 32, bytes = qblock_bytes(wtype);
     int z = wtype == Q8_0 ? 0 : qzero(wtype), q4 = wtype != Q8_0, has_m = wtype == Q4_1;
@@ -1057,6 +1106,39 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
         for (int h = 0; h < 2; h++) {
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
             m[h] = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h))) : d[h];
+        }
+        if (R <= QSTREAM_ROWS) {
+            for (long line = 0; line < bytes; line += 64)
+                _mm_prefetch((const char*)blk + QAHEAD * bytes + line, _MM_HINT_T0);
+            const int32_t* quad[QSTREAM_ROWS];
+            for (int r = 0; r < R && r < QSTREAM_ROWS; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+            for (int h = 0; h < 2; h++) {
+                __m256i sum[QSTREAM_ROWS];
+                for (int r = 0; r < R && r < QSTREAM_ROWS; r++) sum[r] = _mm256_setzero_si256();
+                for (int v = 0; v < (q4 ? 4 : 8); v++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
+                    if (q4) {
+                        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        for (int r = 0; r < R && r < QSTREAM_ROWS; r++)  /* int16 pair sums, widened after v = 3 */
+                            sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad[r][v])),
+                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad[r][4 + v]))));
+                    } else {
+                        __m256i q = _mm256_xor_si256(raw, flip), mag = _mm256_abs_epi8(q);
+                        for (int r = 0; r < R && r < QSTREAM_ROWS; r++) {
+                            __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(quad[r][v]), q);
+                            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), ones));
+                        }
+                    }
+                }
+                for (int r = 0; r < R && r < QSTREAM_ROWS; r++)
+                    acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r], ones) : sum[r], d[h], m[h], x,
+                                           (m0 + r) * nb + b, z, has_m);
+            }
+            continue;
+        }
+        __m256i w[2][16]; /* per half: Q4 nibbles (v low, then v high); Q8_0 |q| then q */
+        for (int h = 0; h < 2; h++) {
             if (q4) {
                 for (int v = 0; v < 4; v++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
@@ -1073,9 +1155,6 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
         }
         for (int r = 0; r < R; r++) {
             const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            long at = (m0 + r) * nb + b;
-            __m256 s = _mm256_set1_ps(x->s[at]), sA = _mm256_set1_ps(x->sA[at]);
-            __m256i zA = _mm256_set1_epi32(z * x->A[at]);
             for (int h = 0; h < 2; h++) {
                 __m256i sum;
                 if (q4) {
@@ -1090,9 +1169,7 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
                         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[h][g], a), ones));
                     }
                 }
-                sum = _mm256_sub_epi32(sum, zA);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d[h], s), _mm256_cvtepi32_ps(sum), acc[r][h]);
-                if (has_m) acc[r][h] = _mm256_fmadd_ps(m[h], sA, acc[r][h]);
+                acc[r][h] = qblock_add(acc[r][h], sum, d[h], m[h], x, (m0 + r) * nb + b, z, has_m);
             }
         }
     }
@@ -1952,14 +2029,15 @@ struct sd_layer {
     long hidden, heads, kv, head_dim, inner;
     float eps, head_eps, scale;
     int dtype;
-    int qkv_type, o_type, gate_up_type, down_type;  /* 0: float panels in dtype; else Q8_0, Q4_0, Q4_1 */
+    int qkv_type, o_type, gate_up_type, down_type;  /* 0: float panels in dtype; HALVES; else Q8_0, Q4_0, Q4_1 */
     const float *qkv_gain, *gate_up_gain;          /* the norms' weights where not folded (quantized) */
 };
 
 static int product(const void* x, long M, long K, long ldx, const void* wp, int wtype, const float* gain, long N,
                    const void* bias, const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
-    if (wtype) return sd_linear_q(x, M, K, ldx, wp, wtype, N, gain, bias, residual, ldr, y, ldy, norm_eps, dtype);
-    return sd_linear(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
+    if (wtype && wtype != HALVES)
+        return sd_linear_q(x, M, K, ldx, wp, wtype, N, gain, bias, residual, ldr, y, ldy, norm_eps, dtype);
+    return sd_linear(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype, wtype);
 }
 struct sd_block {
     long batch, n, past;

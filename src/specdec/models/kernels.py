@@ -153,7 +153,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i, f, n = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     signatures = {
-        "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, n],
+        "sd_linear": [p, i, i, i, p, i, p, p, i, p, i, f, n, n],
         "sd_linear_q": [p, i, i, i, p, n, i, p, p, p, i, p, i, f, n],
         "sd_qblock_bytes": [n],
         "sd_peak": [n, i, p],
@@ -283,28 +283,52 @@ def torch_single_threaded(active: bool = True):
 # ---------------------------------------------------------------------------------------------
 # Tensors in, tensors out. Every tensor is on the CPU with its last dimension contiguous.
 
+HALVES = 6  # layout code of bfloat16 panels whose k-rows interleave their two halves (kernels.c)
+
+
+def bf16_halves() -> bool:
+    """Whether this build's bfloat16 products are fastest on panels with interleaved halves (the
+    eight-lane AVX2 products: one load, a shift and a mask widen sixteen weights)."""
+    return available() is None and library().sd_bf16_halves() == 1
+
+
 @dataclass
 class Matrix:
-    """A weight [K, N] (x @ w) packed once into panels of 16 columns: [ceil(N / 16), K, 16]."""
+    """A weight [K, N] (x @ w) packed once into panels of 16 columns: [ceil(N / 16), K, 16]; bfloat16
+    ones on AMX tiles as pairs [panels, K/2, 16, 2], on AVX2 with each k-row's halves interleaved
+    (``halves``: column j at 2j, column 8 + j at 2j + 1; the same products, bit for bit)."""
 
     packed: torch.Tensor
     rows: int  # K, the input size
     cols: int  # N, the output size
+    halves: bool = False
+
+    @property
+    def layout(self) -> int:
+        """The code kernels.c reads the panels by: 0, or HALVES."""
+        return HALVES if self.halves else 0
 
     @classmethod
-    def pack(cls, w: torch.Tensor) -> "Matrix":
+    def pack(cls, w: torch.Tensor, halves: bool | None = None) -> "Matrix":
+        """``halves``: None takes this build's preference (bfloat16 only)."""
         k, n = w.shape
         panels = -(-n // PANEL)
         padded = w.new_zeros(k, panels * PANEL)
         padded[:, :n] = w
         if w.dtype == torch.bfloat16 and amx_pairs(k):   # the tile unit's layout: [panels, K/2, 16, 2]
             return cls(padded.view(k // 2, 2, panels, PANEL).permute(2, 0, 3, 1).contiguous(), k, n)
+        if w.dtype == torch.bfloat16 and (bf16_halves() if halves is None else halves):
+            return cls(padded.view(k, panels, 2, PANEL // 2).permute(1, 0, 3, 2).reshape(panels, k, PANEL), k, n, True)
         return cls(padded.view(k, panels, PANEL).permute(1, 0, 2).contiguous(), k, n)
 
     def unpack(self) -> torch.Tensor:
         """The [K, N] matrix back (tests, exports)."""
         if self.packed.dim() == 4:
             return self.packed.permute(1, 3, 0, 2).reshape(self.rows, -1)[:, :self.cols]
+        if self.halves:
+            panels = self.packed.shape[0]
+            return (self.packed.view(panels, self.rows, PANEL // 2, 2).permute(1, 0, 3, 2)
+                    .reshape(self.rows, -1)[:, :self.cols])
         return self.packed.permute(1, 0, 2).reshape(self.rows, -1)[:, :self.cols]
 
 
@@ -426,6 +450,9 @@ def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def _check(status: int) -> None:
+    if status == 3:
+        raise ValueError("weights packed for another build of specdec's kernels (bfloat16 panels with "
+                         "interleaved halves, which this build does not read): pack them with this one")
     if status:
         raise MemoryError("specdec's kernels could not allocate their work memory")
 
@@ -472,7 +499,7 @@ def linear(x: torch.Tensor, w: Matrix | QMatrix, out: torch.Tensor | None = None
         return out
     _check(library().sd_linear(x.data_ptr(), rows, w.rows, ldx, w.packed.data_ptr(), w.cols, _ptr(bias),
                                _ptr(residual), ldr, out.data_ptr(), ldy, -1.0 if norm_eps is None else norm_eps,
-                               DTYPES[x.dtype]))
+                               DTYPES[x.dtype], w.layout))
     return out
 
 

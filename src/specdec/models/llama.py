@@ -204,8 +204,7 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
     """
     out = torch.empty_like(x)
     _aim(block, kv, index, visible)
-    if _run_layer(model.layers[index].ref, block.ref, x.data_ptr(), out.data_ptr()):
-        raise MemoryError("the native forward pass could not allocate its work memory")
+    kernels._check(_run_layer(model.layers[index].ref, block.ref, x.data_ptr(), out.data_ptr()))
     return out
 
 
@@ -217,10 +216,9 @@ def decoder_layer_from(model: Llama, index: int, x_attn: torch.Tensor, attn_eps:
     out = torch.empty_like(residual)
     _aim(block, kv, index, visible)
     x_attn = x_attn.contiguous()
-    if kernels.library().sd_decoder_layer_from(model.layers[index].ref, block.ref, x_attn.data_ptr(),
-                                               x_attn.shape[-1], -1.0 if attn_eps is None else attn_eps,
-                                               residual.data_ptr(), out.data_ptr()):
-        raise MemoryError("the native forward pass could not allocate its work memory")
+    kernels._check(kernels.library().sd_decoder_layer_from(model.layers[index].ref, block.ref, x_attn.data_ptr(),
+                                                           x_attn.shape[-1], -1.0 if attn_eps is None else attn_eps,
+                                                           residual.data_ptr(), out.data_ptr()))
     return out
 
 
@@ -231,9 +229,8 @@ def layer_keys_values(model: Llama, index: int, x_attn: torch.Tensor, attn_eps: 
     ``decoder_layer_from`` writes for the same x_attn."""
     _aim(block, kv, index, None)
     x_attn = x_attn.contiguous()
-    if kernels.library().sd_layer_keys_values(model.layers[index].ref, block.ref, x_attn.data_ptr(), x_attn.shape[-1],
-                                              -1.0 if attn_eps is None else attn_eps):
-        raise MemoryError("the native forward pass could not allocate its work memory")
+    kernels._check(kernels.library().sd_layer_keys_values(model.layers[index].ref, block.ref, x_attn.data_ptr(),
+                                                          x_attn.shape[-1], -1.0 if attn_eps is None else attn_eps))
 
 
 def _run_layer(*args) -> int:
@@ -246,7 +243,7 @@ def layer_params(layer: Layer, model: Llama) -> LayerParams:
         return None if t is None else (t.packed if isinstance(t, (Matrix, QMatrix)) else t).data_ptr()
 
     def kind(t):
-        return t.code if isinstance(t, QMatrix) else 0
+        return t.code if isinstance(t, QMatrix) else t.layout
 
     def gain(t):
         return ptr(t.gain) if isinstance(t, QMatrix) else None
