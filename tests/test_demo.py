@@ -101,9 +101,12 @@ def test_demo_runs_the_real_target_in_bfloat16_where_the_cpu_computes_it(monkeyp
     from specdec.models import kernels
 
     monkeypatch.setattr(kernels, "fast_bfloat16", lambda: True)
+    monkeypatch.setattr(kernels, "bf16_halves", lambda: False)
     assert demo_dtype("auto", zoo=False) == "bfloat16"
     assert demo_dtype("auto", zoo=True) == "float32"
     assert demo_dtype("float32", zoo=False) == "float32"
     monkeypatch.setattr(kernels, "fast_bfloat16", lambda: False)
     assert demo_dtype("auto", zoo=False) == "float32"
     assert demo_dtype("bfloat16", zoo=True) == "bfloat16"
+    monkeypatch.setattr(kernels, "bf16_halves", lambda: True)  # AVX2: bfloat16 panels of interleaved halves
+    assert demo_dtype("auto", zoo=False) == "bfloat16"

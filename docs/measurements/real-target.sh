@@ -267,3 +267,20 @@ for spec in "smollm2-135m-q4_1 float32" "smollm2-135m bfloat16" "smollm2-135m fl
   for i in 1 2 3; do for s in before after; do python docs/measurements/forward_build.py /tmp/$s.c $C/$1 $2 1,8,16,32 21; done; done
 done
 python docs/measurements/products_variants.py 2 float32 1,8,16,32 /tmp/before.c /tmp/variant1.c ...   # the float32 prefetch variants
+
+# ---- fifteenth session: an AVX2-only Zen 1 (AMD EPYC family 23 model 1) ----
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 1 --output $OUT/cost-curves-zen1-s15.json
+# Kernels before/after: /tmp/k_old.c = this kernels.c with sd_bf16_halves() returning 0 and QSTREAM_ROWS 0
+for m in "smollm2-135m bfloat16" "Q8_0.gguf float32" "smollm2-135m-q4_1 float32"; do set -- $m
+  for i in 1 2; do for s in /tmp/k_old.c src/specdec/models/kernels.c; do
+    python docs/measurements/forward_build.py $s $1 $2 1,2,4,5,8,16 15; done; done
+done
+python docs/measurements/products_ab.py 2 bfloat16 OLD.so 1,2,4,8,16      # OLD.so: the previous build
+python docs/measurements/products_ab.py 2 float32 OLD.so 1,2 Q8_0.gguf
+# llama.cpp side by side (llama-cpp-python's package from its source, the library from $BIN)
+for t in smollm2-135m Q8_0.gguf smollm2-135m-q4_1; do
+  PYTHONPATH=LLAMA_CPP_PYTHON_SRC LLAMA_CPP_LIB_PATH=$BIN python -m specdec.commands.llamacpp --target $t \
+    --tasks sharegpt --num-prompts 4 --max-new-tokens 96 -k 4 --threads 2 --no-repack --json $OUT/llamacpp-...-zen1-s15.json
+done
+specdec demo --dtype float32 > $OUT/demo-zen1-float32-s15.txt; specdec demo --dtype bfloat16 > $OUT/demo-zen1-bfloat16-s15.txt

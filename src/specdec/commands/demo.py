@@ -78,14 +78,14 @@ def fastest(result: dict) -> dict | None:
 
 
 def demo_dtype(asked: str, zoo: bool) -> str:
-    """The precision the demo runs in: ``asked``, or for "auto" bfloat16 where the CPU computes it in
-    its vector units (AVX512-BF16 or AMX: there the real target streams half the bytes and verifies
-    a block on bfloat16 dot products) and float32 elsewhere; the zoo's target stays float32."""
+    """The precision the demo runs in: ``asked``, or for "auto" bfloat16 where the native kernels run it
+    faster than float32 (AVX512-BF16 or AMX dot products; AVX2 with interleaved bfloat16 panels: the real
+    target streams half the bytes) and float32 elsewhere; the zoo's target stays float32."""
     if asked != "auto":
         return asked
-    from specdec.models.kernels import fast_bfloat16
+    from specdec.models.kernels import native_bfloat16_faster
 
-    return "bfloat16" if not zoo and fast_bfloat16() else "float32"
+    return "bfloat16" if not zoo and native_bfloat16_faster() else "float32"
 
 
 def run_demo(args) -> int:
@@ -146,6 +146,6 @@ def add_demo_command(commands) -> None:
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; 1 with --zoo: the zoo's "
                                                                 "models are too small for a second thread to pay)")
     demo.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                      help="the target's precision (default auto: bfloat16 on a CPU with AVX512-BF16 or AMX, "
-                           "float32 elsewhere and for the zoo)")
+                      help="the target's precision (default auto: bfloat16 where the native kernels run it "
+                           "faster (AVX512-BF16, AMX, AVX2), float32 elsewhere and for the zoo)")
     demo.set_defaults(func=run_demo)
