@@ -1108,30 +1108,31 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
             m[h] = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h))) : d[h];
         }
         if (R <= QSTREAM_ROWS) {
+            const int RS = R <= QSTREAM_ROWS ? R : QSTREAM_ROWS; /* R itself; bounds the arrays for the compiler */
             for (long line = 0; line < bytes; line += 64)
                 _mm_prefetch((const char*)blk + QAHEAD * bytes + line, _MM_HINT_T0);
             const int32_t* quad[QSTREAM_ROWS];
-            for (int r = 0; r < R && r < QSTREAM_ROWS; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+            for (int r = 0; r < RS; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
             for (int h = 0; h < 2; h++) {
                 __m256i sum[QSTREAM_ROWS];
-                for (int r = 0; r < R && r < QSTREAM_ROWS; r++) sum[r] = _mm256_setzero_si256();
+                for (int r = 0; r < RS; r++) sum[r] = _mm256_setzero_si256();
                 for (int v = 0; v < (q4 ? 4 : 8); v++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
                     if (q4) {
                         __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                        for (int r = 0; r < R && r < QSTREAM_ROWS; r++)  /* int16 pair sums, widened after v = 3 */
+                        for (int r = 0; r < RS; r++)  /* int16 pair sums, widened after v = 3 */
                             sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(
                                 _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad[r][v])),
                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad[r][4 + v]))));
                     } else {
                         __m256i q = _mm256_xor_si256(raw, flip), mag = _mm256_abs_epi8(q);
-                        for (int r = 0; r < R && r < QSTREAM_ROWS; r++) {
+                        for (int r = 0; r < RS; r++) {
                             __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(quad[r][v]), q);
                             sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), ones));
                         }
                     }
                 }
-                for (int r = 0; r < R && r < QSTREAM_ROWS; r++)
+                for (int r = 0; r < RS; r++)
                     acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r], ones) : sum[r], d[h], m[h], x,
                                            (m0 + r) * nb + b, z, has_m);
             }
