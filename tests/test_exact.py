@@ -345,6 +345,31 @@ def test_vector_and_portable_builds_compute_the_same_bits(backends, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_attention_rows_keep_their_bits_in_blocks_of_every_size(dtype, monkeypatch):
+    """Head size 64 (the real target's): a query row's output is the same alone (the register tile of 1-3
+    rows), in a block of 4 (the 4-row tile) and in blocks of 5-7 (both), in the native build and the
+    portable one, and close to the definition."""
+    portable = kernels.load_library(kernels.build(native=False))
+    generator = torch.Generator().manual_seed(8)
+    columns = 201
+    q = torch.randn(1, 7, 1, 64, generator=generator).to(dtype)
+    kv = torch.randn(2, 1, 1, columns, 64, generator=generator).to(dtype)
+    blocks = []
+    for library in (kernels.library(), portable):
+        monkeypatch.setattr(kernels, "_library", library)
+        outs = [kernels.attention(torch.empty(1, n, 1, 64, dtype=dtype).copy_(q[:, :n]), kv[0], kv[1], None,
+                                  torch.empty(1, n, 64, dtype=dtype), 0.125) for n in range(1, 8)]
+        for n, out in enumerate(outs, 1):
+            assert torch.equal(out[0], outs[-1][0, :n]), n
+        blocks.append(outs[-1])
+    monkeypatch.undo()
+    native = blocks[0]
+    assert torch.equal(native, blocks[1])
+    weights = (q[0, :, 0].double() @ kv[0, 0, 0].double().T * 0.125).softmax(-1)
+    assert torch.allclose(native[0].double(), weights @ kv[1, 0, 0].double(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_attention_rope_and_head_norm_kernels_match_their_definition(dtype):
     generator = torch.Generator().manual_seed(6)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]

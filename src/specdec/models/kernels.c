@@ -1082,10 +1082,12 @@ static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t
  * sum c a - 128 A: the same integer the other builds form, so the same bits after it.
  * Many rows: each half is unpacked once per block into registers that spill to an L1 buffer, which
  * every row of the tile then reads (the rows' chains live in memory too). A few rows cannot repay that
- * buffer: there each 32-byte piece of a block is unpacked and meets every row at once, in registers,
- * and the block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads, one and two
- * rows' quantized products 0.72-0.90x the time of the buffered body). Either way the same integer sums
- * and the same float operations in the same order, so the same bits. */
+ * buffer: there each 64-byte piece of a block (both halves) is unpacked and meets every row at once, in
+ * registers, and the block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads,
+ * one and two rows' quantized products 0.72-0.90x the time of the buffered body). Either way each
+ * broadcast of a row's four inputs serves both halves (one broadcast instead of two: 0.86-0.94x the
+ * time of 1-16 rows' products, measured on the same Zen 1). The same integer sums and the same float
+ * operations in the same order, so the same bits. */
 static inline __attribute__((always_inline)) __m256 qblock_add(__m256 acc, __m256i sum, __m256 d, __m256 m,
                                                                 const struct qrows* x, long at, int z, int has_m) {
     sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(z * x->A[at]));
@@ -1113,29 +1115,37 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
                 _mm_prefetch((const char*)blk + QAHEAD * bytes + line, _MM_HINT_T0);
             const int32_t* quad[QSTREAM_ROWS];
             for (int r = 0; r < RS; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            for (int h = 0; h < 2; h++) {
-                __m256i sum[QSTREAM_ROWS];
-                for (int r = 0; r < RS; r++) sum[r] = _mm256_setzero_si256();
-                for (int v = 0; v < (q4 ? 4 : 8); v++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
-                    if (q4) {
-                        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                        for (int r = 0; r < RS; r++)  /* int16 pair sums, widened after v = 3 */
-                            sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad[r][v])),
-                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad[r][4 + v]))));
-                    } else {
-                        __m256i q = _mm256_xor_si256(raw, flip), mag = _mm256_abs_epi8(q);
-                        for (int r = 0; r < RS; r++) {
-                            __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(quad[r][v]), q);
-                            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), ones));
-                        }
+            __m256i sum[QSTREAM_ROWS][2];
+            for (int r = 0; r < RS; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+            for (int v = 0; v < (q4 ? 4 : 8); v++) {  /* both halves of a piece meet each row's broadcast */
+                __m256i raw0 = _mm256_loadu_si256((const __m256i*)(codes + v * 64));
+                __m256i raw1 = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + 32));
+                if (q4) {
+                    __m256i lo0 = _mm256_and_si256(raw0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+                    __m256i lo1 = _mm256_and_si256(raw1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+                    for (int r = 0; r < RS; r++) {  /* int16 pair sums, widened after v = 3 */
+                        __m256i alo = _mm256_set1_epi32(quad[r][v]), ahi = _mm256_set1_epi32(quad[r][4 + v]);
+                        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo),
+                                                                                 _mm256_maddubs_epi16(hi0, ahi)));
+                        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo),
+                                                                                 _mm256_maddubs_epi16(hi1, ahi)));
+                    }
+                } else {
+                    __m256i q0 = _mm256_xor_si256(raw0, flip), mag0 = _mm256_abs_epi8(q0);
+                    __m256i q1 = _mm256_xor_si256(raw1, flip), mag1 = _mm256_abs_epi8(q1);
+                    for (int r = 0; r < RS; r++) {
+                        __m256i a = _mm256_set1_epi32(quad[r][v]);
+                        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(mag0, _mm256_sign_epi8(a, q0)), ones));
+                        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(mag1, _mm256_sign_epi8(a, q1)), ones));
                     }
                 }
-                for (int r = 0; r < RS; r++)
-                    acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r], ones) : sum[r], d[h], m[h], x,
-                                           (m0 + r) * nb + b, z, has_m);
             }
+            for (int r = 0; r < RS; r++)
+                for (int h = 0; h < 2; h++)
+                    acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r][h], ones) : sum[r][h], d[h], m[h],
+                                           x, (m0 + r) * nb + b, z, has_m);
             continue;
         }
         __m256i w[2][16]; /* per half: Q4 nibbles (v low, then v high); Q8_0 |q| then q */
@@ -1154,24 +1164,30 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < R; r++) {  /* each broadcast of the row's inputs meets both halves */
             const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            for (int h = 0; h < 2; h++) {
-                __m256i sum;
-                if (q4) {
-                    __m256i pairs = _mm256_maddubs_epi16(w[h][0], _mm256_set1_epi32(quad[0]));
-                    for (int g = 1; g < 8; g++)
-                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[h][g], _mm256_set1_epi32(quad[g])));
-                    sum = _mm256_madd_epi16(pairs, ones);
-                } else {
-                    sum = _mm256_setzero_si256();
-                    for (int g = 0; g < 8; g++) {
-                        __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(quad[g]), w[h][8 + g]);
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[h][g], a), ones));
-                    }
+            __m256i sum[2];
+            if (q4) {
+                __m256i a = _mm256_set1_epi32(quad[0]);
+                __m256i pairs0 = _mm256_maddubs_epi16(w[0][0], a), pairs1 = _mm256_maddubs_epi16(w[1][0], a);
+                for (int g = 1; g < 8; g++) {
+                    a = _mm256_set1_epi32(quad[g]);
+                    pairs0 = _mm256_add_epi16(pairs0, _mm256_maddubs_epi16(w[0][g], a));
+                    pairs1 = _mm256_add_epi16(pairs1, _mm256_maddubs_epi16(w[1][g], a));
                 }
-                acc[r][h] = qblock_add(acc[r][h], sum, d[h], m[h], x, (m0 + r) * nb + b, z, has_m);
+                sum[0] = _mm256_madd_epi16(pairs0, ones);
+                sum[1] = _mm256_madd_epi16(pairs1, ones);
+            } else {
+                sum[0] = sum[1] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    __m256i a = _mm256_set1_epi32(quad[g]);
+                    for (int h = 0; h < 2; h++)
+                        sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w[h][g], _mm256_sign_epi8(a, w[h][8 + g])), ones));
+                }
             }
+            for (int h = 0; h < 2; h++)
+                acc[r][h] = qblock_add(acc[r][h], sum[h], d[h], m[h], x, (m0 + r) * nb + b, z, has_m);
         }
     }
     for (int r = 0; r < R; r++) for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out + r * 2 * NR + 8 * h, acc[r][h]);
@@ -1882,6 +1898,24 @@ static void score_columns(const float* qf, long rows, const char* kbase, int dty
     else score_columns_as(qf, rows, kbase, F32, D, t8, scale, score, T);
 }
 
+/* Outputs of R <= 3 rows (probabilities p, rows of T) over 32 columns from d: four chains per row held
+ * in registers, acc[i, c] = fma(p[i, t], v[t, c], acc) for t = 0..T-1 in order, as every other path. */
+static inline __attribute__((always_inline)) void value_few(const float* p, long T, const char* vbase, size_t vbytes,
+                                                            long d, int dtype, float* acc, long D, const int R) {
+    v8 a[3][4];
+    for (int i = 0; i < R; i++) for (int c = 0; c < 4; c++) a[i][c] = v_zero();
+    for (long t = 0; t < T; t++) {
+        const char* v = vbase + t * vbytes;
+        v8 w[4];
+        for (int c = 0; c < 4; c++) w[c] = load_key(v, d + 8 * c, dtype);
+        for (int i = 0; i < R; i++) {
+            v8 pv = v_set1(p[i * T + t]);
+            for (int c = 0; c < 4; c++) a[i][c] = v_fma(pv, w[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < R; i++) for (int c = 0; c < 4; c++) v_store(acc + i * D + d + 8 * c, a[i][c]);
+}
+
 /* Rows [r0, r1) of one key head's n x g query rows (row i * g + jj: position i, group member jj).
  * A row's result depends on nothing but its own query, so the rows may be split between threads. */
 static void attention_one(const struct attention_job* j, long b, long kvh, long r0, long r1, float* work) {
@@ -1957,6 +1991,15 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
                 for (long t = 0; t < T; t++) a = fmaf(p[i * T + t], load1(vbase + t * vbytes, d, dtype), a);
                 acc[(r + i) * D + d] = a;
             }
+    }
+    if (D % 32 == 0 && r < rows) {  /* the last 1-3 rows: their chains in registers (one row per call in decoding) */
+        int R = (int)(rows - r);
+        for (long d = 0; d < D; d += 32) {
+            if (R == 1) value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 1);
+            else if (R == 2) value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 2);
+            else value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 3);
+        }
+        r = rows;
     }
     long D8 = D / 8 * 8;
     for (; r < rows; r++) {
