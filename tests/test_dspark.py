@@ -85,6 +85,67 @@ def test_dspark_matches_transformers_greedy(arch, targets, hf_models, dspark_dir
     assert out.stats.mean_k == pytest.approx(BLOCK, abs=1.5)  # every slot drafts: the block, not block - 1
 
 
+TREES = [(2, 2, 4), (3, 3, 8), (BLOCK, 2, 6)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dspark_trees_match_transformers_greedy(arch, targets, hf_models, dspark_dirs):
+    """Dynamic trees (every branch: its slot's head logits plus its own parent's Markov term) keep greedy
+    decoding token for token, in a batch and alone, and accept deeper than one draft."""
+    target, model = targets[arch], hf_models[arch]
+    prompts = target.encode(PROMPTS)
+    _, reference = reference_with_stop(target, model, prompts)
+    for depth, topk, nodes in TREES:
+        tree = specdec.TreeConfig(depth, topk, nodes)
+        recorder = Recorder(DSpark(dspark_dirs[arch]))
+        out = specdec.generate(target, prompts, drafter=recorder, max_new_tokens=MAX_NEW, tree=tree)
+        assert out.token_ids == reference, tree
+        alone = specdec.generate(target, [prompts[2]], drafter=DSpark(dspark_dirs[arch]), max_new_tokens=MAX_NEW,
+                                 tree=tree)
+        assert alone.token_ids == [reference[2]], tree
+        first = recorder.proposals[0]
+        assert first.is_tree and 2 <= int(first.depths().max()) <= depth and first.k == nodes
+
+
+def test_dspark_tree_branches_read_their_own_parents_markov_term(model_dirs, dspark_dirs, monkeypatch):
+    """The children the tree gives each depth-1 node are the top-k of slot 1's head logits plus the Markov
+    term of that node's own token, as the runtime computes them for a chain through it."""
+    from specdec.drafters.dspark import DSparkSession
+
+    blocks, enter = [], DSparkSession.enter
+
+    def recorded(self, anchors, block):
+        blocks.append(enter(self, anchors, block))
+        return blocks[-1]
+    monkeypatch.setattr(DSparkSession, "enter", recorded)
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    drafter = DSpark(dspark_dirs["llama"])
+    recorder = Recorder(drafter)
+    specdec.generate(target, target.encode(PROMPTS)[:1], drafter=recorder, max_new_tokens=4,
+                     tree=specdec.TreeConfig(2, 3, 12))
+    proposal = recorder.proposals[0]
+    tokens, parents = proposal.tokens[0], proposal.parents[0]
+    runtime = drafter.runtime(target)
+    head, hidden = runtime.logits(blocks[0]), runtime.normed(blocks[0])
+    children_seen = 0
+    for node in range(proposal.k):
+        if int(parents[node]) != -1:
+            continue
+        logits, _ = runtime.slot(head[:, 1], hidden[:, 1], tokens[node:node + 1], 1)
+        children = {int(tokens[c]) for c in range(proposal.k) if int(parents[c]) == node}
+        assert children == set(logits[0].topk(3).indices.tolist())
+        children_seen += len(children)
+    assert children_seen == 9
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 6, None), (0.7, None, 0.9)])
+def test_dspark_trees_keep_the_targets_distribution(temperature, top_k, top_p, model_dirs, dspark_dirs):
+    config = SamplingConfig(temperature, top_k, top_p)
+    target, prompt, exact = sampling_case(model_dirs["llama"], config)
+    pairs = sampled_pairs(target, prompt, DSpark(dspark_dirs["llama"]), config, tree=specdec.TreeConfig(2, 2, 4))
+    assert chi_square_p(pairs, exact) > P_VALUE
+
+
 @pytest.mark.parametrize("folder", ["llama", "gated"])
 def test_dspark_equals_plain_decoding_in_bfloat16(folder, model_dirs, dspark_dirs):
     target, prompts, reference = bfloat16_with_eos(model_dirs["llama"])
@@ -249,8 +310,11 @@ def test_wrong_method_bad_block_and_bad_folders_are_refused(dspark_dirs, model_d
     with pytest.raises(InvalidArgumentError, match="block size must be in 1..4"):
         DSpark(dspark_dirs["llama"], block_size=9)
     with pytest.raises(InvalidArgumentError, match="chains"):
-        specdec.generate(target, [[5, 6, 7]], drafter=DSpark(dspark_dirs["llama"]), max_new_tokens=4,
+        specdec.generate(target, [[5, 6, 7]], drafter=DFlash(dflash_dir), max_new_tokens=4,
                          tree=specdec.TreeConfig(2, 2, 4))
+    with pytest.raises(InvalidArgumentError, match="at most as deep as its block"):
+        specdec.generate(target, [[5, 6, 7]], drafter=DSpark(dspark_dirs["llama"]), max_new_tokens=4,
+                         tree=specdec.TreeConfig(BLOCK + 1, 2, 8))
     truncated = shutil.copytree(dspark_dirs["llama"], tmp_path / "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])

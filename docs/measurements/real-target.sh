@@ -284,3 +284,16 @@ for t in smollm2-135m Q8_0.gguf smollm2-135m-q4_1; do
     --tasks sharegpt --num-prompts 4 --max-new-tokens 96 -k 4 --threads 2 --no-repack --json $OUT/llamacpp-...-zen1-s15.json
 done
 specdec demo --dtype float32 > $OUT/demo-zen1-float32-s15.txt; specdec demo --dtype bfloat16 > $OUT/demo-zen1-bfloat16-s15.txt
+
+# ---- sixteenth session: the same AVX2-only Zen 1 (AMD EPYC family 23 model 1) ----
+# OLD.so: the build before (kernels.build() at the previous commit, copied aside)
+for th in 2 1; do for f in smollm2-135m-q4_1 Q8_0.gguf; do
+  python docs/measurements/products_ab.py $th float32 OLD.so 1,2,3,4,8,16 $f; done; done > $OUT/products-ab-zen1-s16.txt
+python docs/measurements/attention_ab.py 2 OLD.so > $OUT/attention-ab-zen1-s16.txt
+python -c "from specdec.commands.gguf import export; from specdec.zoo import zoo_path; from pathlib import Path
+export(zoo_path('smollm2-135m'), Path('BF16.gguf'), 'bf16')"
+PYTHONPATH=LLAMA_CPP_PYTHON_SRC LLAMA_CPP_LIB_PATH=$BIN python -m specdec.commands.llamacpp --target BF16.gguf \
+  --tasks sharegpt --num-prompts 4 --max-new-tokens 96 -k 4 --threads 2 --no-repack --json $OUT/llamacpp-bf16-zen1-s16.json
+# DSpark trees beside its chain and DFlash's block
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 5 --max-new-tokens 96 \
+  -k 7 --trees 4/2/6 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/dspark-trees-zen1-s16.json

@@ -36,6 +36,10 @@ class DFlash:
     load_net = staticmethod(dflash.load_net)
     runtime_class = dflash.DFlashRuntime
     anchor_drafts = False  # the anchor slot predicts nothing: a block of B gives B - 1 drafts
+    supports_trees = False  # its slots ignore the drafts before them: branches would all score alike
+
+    def check_tree(self, tree) -> None:
+        pass
 
     def __init__(self, path: str | os.PathLike, block_size: int | None = None, draft_vocab: bool = True):
         """``draft_vocab``: draft from the folder's draft_vocab.json (``specdec train draft-vocab``) when it has
@@ -75,8 +79,9 @@ class DFlash:
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":
         self.check_target(context.target)
-        if context.tree is not None:
+        if context.tree is not None and not self.supports_trees:
             raise InvalidArgumentError(f"{self.label} drafts chains (one block per step); token-tree options do not apply")
+        self.check_tree(context.tree)
         return self.session_class(self.runtime(context.target), context, seqs.batch_size, self.block_size)
 
 

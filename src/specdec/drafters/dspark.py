@@ -7,6 +7,11 @@ before it, so the drafts are taken one after the other: the argmax (greedy), or 
 exact softmax (sampling), whose distribution goes to the verifier. The confidence head's estimate
 that each draft survives, given the drafts before it, rides along in ``Proposal.confidence`` for
 the confidence policies (specdec.schedule); it reads only the drafts before each slot.
+
+Trees (EAGLE-2's dynamic trees, drafters/tree.py): the block's backbone outputs do not depend on the
+drafts, only the Markov term does, so every branch at depth d shares slot d's head logits and adds
+the Markov term of its own parent token. A tree of depth D costs one block pass of D inputs plus
+one rank-r product per expanded node; its children are top-k choices, exact under the tree rule.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import Proposal, draft_from
+from specdec.drafters.base import DecodeContext, Proposal, draft_from, probabilities
 from specdec.drafters.dflash import DFlash, DFlashSession
+from specdec.drafters.tree import dynamic_tree
+from specdec.errors import InvalidArgumentError
 from specdec.models import dspark
 
 
@@ -30,10 +37,22 @@ class DSpark(DFlash):
     load_net = staticmethod(dspark.load_net)
     runtime_class = dspark.DSparkRuntime
     anchor_drafts = True
+    supports_trees = True
+
+    def check_tree(self, tree) -> None:
+        if tree is not None and tree.depth > self.block_size:
+            raise InvalidArgumentError(f"a {self.label} tree is at most as deep as its block ({self.block_size} "
+                                       f"drafts for the drafter in {self.path}), got depth {tree.depth}")
 
 
 class DSparkSession(DFlashSession):
+    def __init__(self, runtime, context: DecodeContext, batch_size: int, block_size: int):
+        super().__init__(runtime, context, batch_size, block_size)
+        self.tree = context.tree
+
     def propose(self, seqs: Sequences, k: int) -> Proposal:
+        if self.tree is not None:
+            return self._propose_tree(seqs)
         drafts = max(1, min(k, self.block_size))
         runtime = self.runtime
         anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]  # the pending tokens
@@ -52,6 +71,29 @@ class DSparkSession(DFlashSession):
         confidence = torch.stack(confidences, 1) if confidences[0] is not None else None
         return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
                         confidence=confidence)
+
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-scores over the draft vocabulary's slots (warped when sampling), as EAGLE's trees rank them."""
+        if self.sampling.greedy:
+            return torch.log_softmax(logits, dim=-1)
+        return probabilities(logits, self.sampling).log()
+
+    def _propose_tree(self, seqs: Sequences) -> Proposal:
+        runtime = self.runtime
+        anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]
+        out = self.enter(anchors, self.tree.depth)                  # [B, D, H]: slot d drafts depth d + 1
+        head, hidden = runtime.logits(out), runtime.normed(out)     # [B, D, S], [B, D, H]
+        root, _ = runtime.slot(head[:, 0], hidden[:, 0], anchors, 0)
+
+        def expand(frontier_token, parent_slot, sees, depth):     # every branch: slot `depth`, its own parent
+            batch, width = frontier_token.shape
+            logits, _ = runtime.slot(head[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
+                                     hidden[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
+                                     frontier_token.reshape(-1), depth)
+            return self._scores(logits.view(batch, width, -1))
+
+        return dynamic_tree(self._scores(root), expand, self.tree, runtime.rows)
 
 
 DSpark.session_class = DSparkSession

@@ -92,7 +92,7 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
                  folder=True, zoo="dflash", build=_dflash),
     DrafterEntry("dspark", "DSpark: DFlash's block with a Markov head and a confidence head", ("DSPARK",),
-                 folder=True, build=_dspark),
+                 folder=True, trees=True, build=_dspark),
     DrafterEntry("early-exit", "LayerSkip: the target's own first layers, final norm and head", ("LAYERSKIP",),
                  zoo_variant="layerskip", build=_early_exit),
     DrafterEntry("mtp", "the target's own multi-token-prediction modules or heads", ("NEXTN", "deepseek_mtp"),
