@@ -138,6 +138,27 @@ def test_dspark_tree_branches_read_their_own_parents_markov_term(model_dirs, dsp
     assert children_seen == 9
 
 
+def test_a_recorded_tree_is_dsparks_default(model_dirs, dspark_dirs, tmp_path):
+    """``bench --record`` may find a tree fastest: a DSpark folder that records one drafts it when a
+    generation asks for neither k nor a tree; one deeper than the block is ignored."""
+    from test_exact_generation import plain
+
+    folder = shutil.copytree(dspark_dirs["llama"], tmp_path / "recorded")
+    config = json.loads((folder / "config.json").read_text())
+    config["specdec"]["defaults"] = {"num_draft_tokens": None, "tree": [3, 2, 5]}
+    (folder / "config.json").write_text(json.dumps(config))
+    drafter = DSpark(folder)
+    assert drafter.default_tree == specdec.TreeConfig(3, 2, 5)
+    target = specdec.load_target(model_dirs["llama"], backend="native")
+    recorder = Recorder(drafter)
+    prompts = target.encode(PROMPTS)
+    assert specdec.generate(target, prompts, drafter=recorder, max_new_tokens=16).token_ids == plain(target, prompts, 16)
+    assert recorder.proposals and all(p.is_tree for p in recorder.proposals)
+    config["specdec"]["defaults"]["tree"] = [BLOCK + 1, 2, 8]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert DSpark(folder).default_tree is None
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 6, None), (0.7, None, 0.9)])
 def test_dspark_trees_keep_the_targets_distribution(temperature, top_k, top_p, model_dirs, dspark_dirs):
     config = SamplingConfig(temperature, top_k, top_p)

@@ -56,8 +56,9 @@ class DFlash:
                                        f"{self.path} was trained with blocks of {trained}), got {block_size}")
         self.block_size = block_size
         drafts = block_size if self.anchor_drafts else block_size - 1
-        recorded, _ = recorded_defaults(self.path)   # the k that measured fastest, when the block is the trained one
+        recorded, tree = recorded_defaults(self.path)   # the setting that measured fastest, when the block is the trained one
         self.default_draft_tokens = min(recorded or drafts, drafts)
+        self.default_tree = tree if self.supports_trees and tree is not None and tree.depth <= drafts else None
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
         self._runtimes: dict = {}
 
