@@ -297,3 +297,5 @@ PYTHONPATH=LLAMA_CPP_PYTHON_SRC LLAMA_CPP_LIB_PATH=$BIN python -m specdec.comman
 # DSpark trees beside its chain and DFlash's block
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 5 --max-new-tokens 96 \
   -k 7 --trees 4/2/6 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/dspark-trees-zen1-s16.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 5 --max-new-tokens 96 \
+  -k 7 --trees 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --temperature 0.7 --output $OUT/dspark-trees-t07-zen1-s16.json
