@@ -154,6 +154,11 @@ def test_a_recorded_tree_is_dsparks_default(model_dirs, dspark_dirs, tmp_path):
     prompts = target.encode(PROMPTS)
     assert specdec.generate(target, prompts, drafter=recorder, max_new_tokens=16).token_ids == plain(target, prompts, 16)
     assert recorder.proposals and all(p.is_tree for p in recorder.proposals)
+    from specdec.engine import Engine
+    from specdec.schedule import ConfidenceThreshold
+
+    engine = Engine(target, drafter, policy=ConfidenceThreshold(0.5), stream=False)
+    assert engine.tree is None  # a confidence policy cuts chains: the recorded tree gives way
     config["specdec"]["defaults"]["tree"] = [BLOCK + 1, 2, 8]
     (folder / "config.json").write_text(json.dumps(config))
     assert DSpark(folder).default_tree is None

@@ -299,3 +299,5 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   -k 7 --trees 4/2/6 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/dspark-trees-zen1-s16.json
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 5 --max-new-tokens 96 \
   -k 7 --trees 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --temperature 0.7 --output $OUT/dspark-trees-t07-zen1-s16.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 \
+  -k 7 --trees 3/2/4 4/2/6 --drafters dspark --record --no-transformers --threads 2 --output $OUT/dspark-record-zen1-s16.json

@@ -120,7 +120,8 @@ class Engine:
         from specdec.schedule import FixedK
 
         drafter = drafter or NoDraft()
-        tree = default_tree(drafter, num_draft_tokens, tree)
+        if tree is not None or not getattr(policy, "needs_confidence", False):  # confidence policies cut chains:
+            tree = default_tree(drafter, num_draft_tokens, tree)              # a recorded tree gives way to them
         if num_draft_tokens is None:
             num_draft_tokens = default_draft_tokens(drafter)
         self.config = GenerationConfig(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule,
