@@ -38,9 +38,6 @@ class DFlash:
     anchor_drafts = False  # the anchor slot predicts nothing: a block of B gives B - 1 drafts
     supports_trees = False  # its slots ignore the drafts before them: branches would all score alike
 
-    def check_tree(self, tree) -> None:
-        pass
-
     def __init__(self, path: str | os.PathLike, block_size: int | None = None, draft_vocab: bool = True):
         """``draft_vocab``: draft from the folder's draft_vocab.json (``specdec train draft-vocab``) when it has
         one, computing only those rows of the target's head."""
@@ -55,7 +52,7 @@ class DFlash:
             raise InvalidArgumentError(f"{self.label} block size must be in {smallest}..{trained} (the drafter in "
                                        f"{self.path} was trained with blocks of {trained}), got {block_size}")
         self.block_size = block_size
-        drafts = block_size if self.anchor_drafts else block_size - 1
+        self.drafts = drafts = block_size if self.anchor_drafts else block_size - 1
         recorded, tree = recorded_defaults(self.path)   # the setting that measured fastest, when the block is the trained one
         self.default_draft_tokens = min(recorded or drafts, drafts)
         self.default_tree = tree if self.supports_trees and tree is not None and tree.depth <= drafts else None
@@ -80,9 +77,12 @@ class DFlash:
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":
         self.check_target(context.target)
-        if context.tree is not None and not self.supports_trees:
+        tree = context.tree
+        if tree is not None and not self.supports_trees:
             raise InvalidArgumentError(f"{self.label} drafts chains (one block per step); token-tree options do not apply")
-        self.check_tree(context.tree)
+        if tree is not None and tree.depth > self.drafts:
+            raise InvalidArgumentError(f"a {self.label} tree is at most as deep as its block ({self.drafts} drafts for "
+                                       f"the drafter in {self.path}), got depth {tree.depth}")
         return self.session_class(self.runtime(context.target), context, seqs.batch_size, self.block_size)
 
 

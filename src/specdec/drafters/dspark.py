@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import DecodeContext, Proposal, draft_from, probabilities
+from specdec.drafters.base import DecodeContext, Proposal, draft_from
 from specdec.drafters.dflash import DFlash, DFlashSession
-from specdec.drafters.tree import dynamic_tree
-from specdec.errors import InvalidArgumentError
+from specdec.drafters.tree import dynamic_tree, tree_scores
 from specdec.models import dspark
 
 
@@ -38,11 +37,6 @@ class DSpark(DFlash):
     runtime_class = dspark.DSparkRuntime
     anchor_drafts = True
     supports_trees = True
-
-    def check_tree(self, tree) -> None:
-        if tree is not None and tree.depth > self.block_size:
-            raise InvalidArgumentError(f"a {self.label} tree is at most as deep as its block ({self.block_size} "
-                                       f"drafts for the drafter in {self.path}), got depth {tree.depth}")
 
 
 class DSparkSession(DFlashSession):
@@ -72,13 +66,6 @@ class DSparkSession(DFlashSession):
         return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
                         confidence=confidence)
 
-
-    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Log-scores over the draft vocabulary's slots (warped when sampling), as EAGLE's trees rank them."""
-        if self.sampling.greedy:
-            return torch.log_softmax(logits, dim=-1)
-        return probabilities(logits, self.sampling).log()
-
     def _propose_tree(self, seqs: Sequences) -> Proposal:
         runtime = self.runtime
         anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]
@@ -91,9 +78,9 @@ class DSparkSession(DFlashSession):
             logits, _ = runtime.slot(head[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
                                      hidden[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
                                      frontier_token.reshape(-1), depth)
-            return self._scores(logits.view(batch, width, -1))
+            return tree_scores(logits.view(batch, width, -1), self.sampling)
 
-        return dynamic_tree(self._scores(root), expand, self.tree, runtime.rows)
+        return dynamic_tree(tree_scores(root, self.sampling), expand, self.tree, runtime.rows)
 
 
 DSpark.session_class = DSparkSession

@@ -18,10 +18,9 @@ import torch
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
-from specdec.sampling import probabilities
 from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
                                    read_draft_vocabulary, recorded_defaults)
-from specdec.drafters.tree import dynamic_tree
+from specdec.drafters.tree import dynamic_tree, tree_scores
 
 
 class Eagle:
@@ -124,10 +123,7 @@ class EagleSession:
 
     def _scores(self, out: torch.Tensor) -> torch.Tensor:
         """Log-scores over the draft vocabulary slots (warped when sampling)."""
-        logits = self.runtime.logits(out).float()
-        if self.sampling.greedy:
-            return torch.log_softmax(logits, dim=-1)
-        return probabilities(logits, self.sampling).log()
+        return tree_scores(self.runtime.logits(out), self.sampling)
 
     def _propose_tree(self) -> Proposal:
         """EAGLE-2: expand the best nodes by the drafter's own confidence (tree.py)."""

@@ -14,10 +14,20 @@ from typing import Callable
 import torch
 
 from specdec.drafters.base import Proposal, TreeConfig
+from specdec.sampling import SamplingConfig, probabilities
 
 # expand(frontier tokens [B, K], parent slot [B, K] into the previous frontier (None at depth 1: the root),
 #        sees [B, K, fed] which of the fed nodes (then themselves) each sees, depth) -> log-scores [B, K, S]
 Expand = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, int], torch.Tensor]
+
+
+def tree_scores(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Log-scores a tree ranks a drafter's logits by: log-softmax (greedy), else the log of the warped
+    sampling distribution."""
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    return probabilities(logits, sampling).log()
 
 
 def dynamic_tree(root_scores: torch.Tensor, expand: Expand, tree: TreeConfig,
