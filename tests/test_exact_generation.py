@@ -132,11 +132,15 @@ def bfloat16_with_eos(folder, max_new_tokens=40):
 
 
 def sampled_pairs(target, prompt, drafter, config: SamplingConfig, tree=None, rows: int = 1500) -> torch.Tensor:
-    """Two-token continuations of ``prompt`` sampled with ``drafter``, three seeds, as flat ids t1 * V + t2."""
-    samples = []
+    """The first two tokens of continuations of ``prompt`` sampled with ``drafter``, three seeds, as flat ids
+    t1 * V + t2. t1 comes from the prefill, t2 is the first token of the first speculative step: four new
+    tokens leave that step room for two drafts (and a third token), and it must have drafted."""
+    samples, proposed = [], 0
     for seed in range(3):
-        out = specdec.generate(target, [prompt] * rows, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+        out = specdec.generate(target, [prompt] * rows, drafter=drafter, num_draft_tokens=2, max_new_tokens=4,
                                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=seed,
                                tree=tree)
-        samples += [a * target.vocab_size + b for a, b in out.token_ids]
+        samples += [a * target.vocab_size + b for a, b, *_ in out.token_ids]
+        proposed += out.stats.drafts_proposed
+    assert proposed > 0, f"{drafter.name} drafted nothing: the test would not test speculative sampling"
     return torch.tensor(samples)

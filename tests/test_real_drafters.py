@@ -112,3 +112,24 @@ def test_the_gguf_file_run_quantized_keeps_every_drafter_exact(real_dir, prompts
             out = specdec.generate(target, ids, drafter=build(method(folder), zoo_path(f"{REAL}-q4_1/{folder.name}")),
                                    num_draft_tokens=3, max_new_tokens=24)
         assert out.token_ids == plain.token_ids, folder.name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_retrieval_from_the_real_datastore_equals_plain_decoding(real_dir, prompts, dtype):
+    """The real target's datastore (ShareGPT's train split and the stdlib, built once in the cache): chains
+    at its recorded k and a tree, equal to plain decoding, drafts accepted."""
+    from specdec.drafters import Retrieval
+
+    try:
+        folder = zoo_path(f"{REAL}/retrieval")
+    except FetchError as error:
+        pytest.skip(f"ShareGPT cannot be fetched here: {error}")
+    torch.set_num_threads(2)
+    target = specdec.load_target(real_dir, dtype=dtype)
+    ids = target.encode(prompts)
+    plain = specdec.generate(target, ids, max_new_tokens=24)
+    drafter = Retrieval(folder)
+    for settings in ({}, {"tree": specdec.TreeConfig(4, 2, 6)}):
+        out = specdec.generate(target, ids, drafter=drafter, max_new_tokens=24, **settings)
+        assert out.token_ids == plain.token_ids, (settings, dtype)
+        assert out.stats.mean_accepted_length > 1.2, (settings, out.stats.mean_accepted_length)

@@ -148,9 +148,11 @@ def exact_two_token_distribution(model, prompt, config: SamplingConfig) -> torch
     ("draft-tree", 1.0, 6, None),   # trees: top-k point-mass siblings, exact recursive rejection
     ("self-tree", 0.9, None, 0.9),
     ("lookup-tree", 1.0, 4, None),
+    ("retrieval", 1.0, 5, None),
+    ("retrieval-tree", 0.8, None, 0.9),
 ])
 def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, hf_models, model_dirs,
-                                            backend):
+                                            backend, tmp_path):
     target = targets["llama"]
     target.eos_token_ids = ()
     prompt = target.encode(["x = x + 1\nx = x"])[0]
@@ -158,22 +160,31 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     exact = exact_two_token_distribution(hf_models["llama"], prompt, config)
     drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"], backend=backend),
                "self": DraftModel(model_dirs["llama"], backend=backend),
-               "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
+               "lookup": PromptLookup(max_ngram=2)}.get(drafter_kind.removesuffix("-tree"))
+    if drafter_kind.startswith("retrieval"):  # text whose n-grams meet the prompt's tail, some drafts right
+        from specdec.drafters.retrieval import Retrieval, build_datastore
+        texts = ["x = x + 1\nx = x + 2\n", "x = x * y\n", "y = x - 1\nx = x\n"] * 3
+        generator = torch.Generator().manual_seed(0)
+        noise = torch.randint(target.vocab_size, (4, 30), generator=generator).tolist()
+        drafter = Retrieval(build_datastore(target.encode(texts) + noise, tmp_path / "store",
+                                            vocab_size=target.vocab_size), min_ngram=1)
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
-    samples, neighbours = [], []
-    for seed in range(3):
-        out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+    samples, neighbours, proposed = [], [], 0
+    for seed in range(3):  # t1 from the prefill, t2 from the first speculative step (room for two drafts)
+        out = specdec.generate(target, [prompt] * 1500, drafter=drafter, num_draft_tokens=2, max_new_tokens=4,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tree=tree)
-        samples += [a * target.vocab_size + b for a, b in out.token_ids]
+        samples += [a * target.vocab_size + b for a, b, *_ in out.token_ids]
+        proposed += out.stats.drafts_proposed
         firsts = [ids[0] for ids in out.token_ids]
         neighbours += [a * target.vocab_size + b for a, b in zip(firsts[0::2], firsts[1::2])]
+    assert drafter_kind == "none" or proposed > 0, "nothing drafted: speculative sampling untested"
     assert chi_square_p(torch.tensor(samples), exact) > P_VALUE
     # Rows of one batch are independent draws: neighbouring rows' first tokens follow p x p.
     first = exact.reshape(target.vocab_size, target.vocab_size).sum(1)
     assert chi_square_p(torch.tensor(neighbours), torch.outer(first, first).flatten()) > P_VALUE
-    again = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+    again = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=4,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=11, tree=tree)
-    same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=2,
+    same_seed = specdec.generate(target, [prompt] * 50, drafter=drafter, num_draft_tokens=2, max_new_tokens=4,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=11, tree=tree)
     assert again.token_ids == same_seed.token_ids
 

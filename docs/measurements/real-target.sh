@@ -301,3 +301,14 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   -k 7 --trees 4/3/8 5/3/10 --drafters dflash dspark --no-transformers --threads 2 --temperature 0.7 --output $OUT/dspark-trees-t07-zen1-s16.json
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 \
   -k 7 --trees 3/2/4 4/2/6 --drafters dspark --record --no-transformers --threads 2 --output $OUT/dspark-record-zen1-s16.json
+
+# ---- seventeenth session: the same AVX2-only Zen 1; retrieval drafting (REST) ----
+python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m/retrieval'))"   # the datastore, once
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --drafters retrieval eagle eagle3 --no-transformers --threads 2 --output $OUT/retrieval-zen1-s17.json
+python docs/measurements/retrieval_variants.py 4 96 $OUT/retrieval-variants-zen1-s17.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 3 4 --trees 3/2/4 4/2/6 --drafters retrieval --no-transformers --threads 2 --record --output $OUT/retrieval-record-zen1-s17.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --drafters retrieval --no-transformers --threads 2 --temperature 0.7 --output $OUT/retrieval-t07-zen1-s17.json
+specdec demo > $OUT/demo-zen1-s17.txt 2>&1

@@ -834,6 +834,10 @@ def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
         from specdec.zoo import REAL_MODELS, zoo_path
         # A real target's MTP modules were trained on its frozen trunk and kept apart (smollm2-135m/mtp).
         real = str(target) in REAL_MODELS and (not entry.zoo_variant or name == "mtp")
+        if not real and not (entry.zoo or entry.zoo_variant):
+            raise InvalidArgumentError(f"--drafters {name} needs a folder here ({name}=DIR): the zoo has none for "
+                                       f"this target" + (" (build a datastore with specdec datastore)"
+                                                         if name == "retrieval" else ""))
         folder = str(zoo_path(f"{target}/{entry.zoo or name}" if real else entry.zoo or entry.zoo_variant))
     return name, folder
 

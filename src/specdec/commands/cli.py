@@ -18,6 +18,11 @@ from specdec.commands.clitools import (ArgumentParser, drafter_name, add_generat
 from specdec.errors import InvalidArgumentError, SpecdecError, SpecdecWarning
 
 
+def drafter_help() -> str:
+    from specdec.drafters.registry import help_text
+    return help_text()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="specdec", description="Lossless speculative decoding for Hugging Face causal LMs.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -25,9 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
     add_model_arguments(gen)
     gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
-                     help="none | draft-model | prompt-lookup | medusa | eagle | eagle3 | dflash (SGLang's --speculative-"
-                          "algorithm names and vLLM's methods accepted: STANDALONE, NGRAM, MEDUSA, EAGLE, EAGLE3, "
-                          "DFLASH)")
+                     help=drafter_help())
     gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
                      help="draft tokens per step, the chain length (default 5; DFlash: its block size - 1)")
     gen.add_argument("--block-size", type=int, default=None,
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(commands)
     from specdec.commands.demo import add_demo_command
     add_demo_command(commands)
+    from specdec.commands.datastore import add_datastore_command
+    add_datastore_command(commands)
     from specdec.commands.serve import add_bench_serve_command, add_serve_command
     add_serve_command(commands)
     add_bench_serve_command(commands)

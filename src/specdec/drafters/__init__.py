@@ -10,6 +10,7 @@ from specdec.drafters.medusa import Medusa
 from specdec.drafters.mtp import MTP
 from specdec.drafters.none import NoDraft
 from specdec.drafters.prompt_lookup import PromptLookup
+from specdec.drafters.retrieval import Datastore, Retrieval
 
 __all__ = ["DFlash", "DSpark", "DecodeContext", "DraftModel", "DraftSession", "Drafter", "Eagle", "EarlyExit", "FeatureSpec", "MTP",
-           "Medusa", "NoDraft", "PromptLookup", "Proposal", "TargetFeatures"]
+           "Datastore", "Medusa", "NoDraft", "PromptLookup", "Proposal", "Retrieval", "TargetFeatures"]

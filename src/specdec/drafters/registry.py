@@ -45,6 +45,12 @@ def _prompt_lookup(folder, options):
     return PromptLookup(max_ngram=getattr(options, "max_ngram", 3), min_ngram=getattr(options, "min_ngram", 1))
 
 
+def _retrieval(folder, options):
+    from specdec.backends.target import resolve_model
+    from specdec.drafters.retrieval import Retrieval
+    return Retrieval(resolve_model(folder))  # a folder, or a real model's name: smollm2-135m/retrieval
+
+
 def _medusa(folder, options):
     from specdec.drafters.medusa import Medusa
     return Medusa(folder, choices=getattr(options, "medusa_choices", None))
@@ -83,6 +89,8 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
                  folder=True, zoo="draft", trees=True, build=_draft_model),
     DrafterEntry("prompt-lookup", "n-gram matches in the prompt and output", ("NGRAM",), trees=True,
                  build=_prompt_lookup),
+    DrafterEntry("retrieval", "REST: continuations of the context's tail in a datastore of text, and in the "
+                 "context", ("REST",), folder=True, trees=True, build=_retrieval),
     DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
                  zoo="medusa", chains=False, build=_medusa),
     DrafterEntry("eagle", "EAGLE-1: one layer over the target's last feature", ("EAGLE",), folder=True,

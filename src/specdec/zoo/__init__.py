@@ -92,6 +92,9 @@ def zoo_path(name: str) -> Path:
     if name in REAL_MODELS:
         return real_model_dir(name)
     base, _, method = name.partition("/")
+    if base in REAL_MODELS and method == "retrieval":  # a datastore, built in the cache on first use
+        from specdec.zoo.datastores import real_datastore_dir
+        return real_datastore_dir(base)
     if base in REAL_MODELS and method:
         base = REAL_MODELS[base].drafters or base
         path = _DATA_DIR / base / method
