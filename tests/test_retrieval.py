@@ -207,4 +207,4 @@ def test_bench_asks_for_a_datastore_where_the_zoo_has_none(capsys):
 
     with pytest.raises(InvalidArgumentError, match="specdec datastore"):
         parse_drafter("retrieval", "some/folder")
-    assert parse_drafter("rest=/data/store", "some/folder") == ("retrieval", "/data/store")  # SGLang-style alias
+    assert parse_drafter("retrieval=/data/store", "some/folder") == ("retrieval", "/data/store")

@@ -90,7 +90,7 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("prompt-lookup", "n-gram matches in the prompt and output", ("NGRAM",), trees=True,
                  build=_prompt_lookup),
     DrafterEntry("retrieval", "REST: continuations of the context's tail in a datastore of text, and in the "
-                 "context", ("REST",), folder=True, trees=True, build=_retrieval),
+                 "context", folder=True, trees=True, build=_retrieval),
     DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
                  zoo="medusa", chains=False, build=_medusa),
     DrafterEntry("eagle", "EAGLE-1: one layer over the target's last feature", ("EAGLE",), folder=True,
