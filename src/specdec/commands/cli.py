@@ -15,12 +15,8 @@ import warnings
 
 from specdec.commands.clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
                        add_tree_arguments, check_output_path, make_drafter, tree_config, write_atomic)
+from specdec.drafters.registry import help_text as registry_help
 from specdec.errors import InvalidArgumentError, SpecdecError, SpecdecWarning
-
-
-def drafter_help() -> str:
-    from specdec.drafters.registry import help_text
-    return help_text()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
     add_model_arguments(gen)
     gen.add_argument("--drafter", "--speculative-algorithm", dest="drafter", type=drafter_name, default="none",
-                     help=drafter_help())
+                     help=registry_help())
     gen.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
                      help="draft tokens per step, the chain length (default 5; DFlash: its block size - 1)")
     gen.add_argument("--block-size", type=int, default=None,

@@ -122,11 +122,18 @@ class PromptLookupSession(StatelessSession):
             paths = lookup_many(seqs.tokens[row, :length], self.config.max_ngram, self.config.min_ngram,
                                 tree.depth, tree.topk)
             rows.append(prefix_tree(paths, tree.num_nodes))
-        width = max(1, max(len(tokens) for tokens, _, _ in rows))
-        table = torch.zeros(3, len(rows), width, dtype=torch.long)  # tokens, parents, depths
-        table[1] = -1
-        for row, columns in enumerate(rows):
-            table[:, row, : len(columns[0])] = torch.tensor(columns, dtype=torch.long)
-        tokens, parents, depths = table.to(device)
-        lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
-        return Proposal(tokens, lengths, None, parents, depths)
+        return tree_proposal(rows, device)
+
+
+def tree_proposal(rows: list[tuple[list[int], list[int], list[int]]], device, width: int | None = None,
+                  chain: bool = False) -> Proposal:
+    """A Proposal from each row's (tokens, parents, depths), padded to ``width`` (default: the widest row);
+    ``chain``: the rows are paths, proposed as chains."""
+    width = width or max(1, max(len(tokens) for tokens, _, _ in rows))
+    table = torch.zeros(3, len(rows), width, dtype=torch.long)  # tokens, parents, depths
+    table[1] = -1
+    for row, columns in enumerate(rows):
+        table[:, row, : len(columns[0])] = torch.tensor(columns, dtype=torch.long).reshape(3, -1)
+    tokens, parents, depths = table.to(device)
+    lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
+    return Proposal(tokens, lengths) if chain else Proposal(tokens, lengths, None, parents, depths)

@@ -21,6 +21,7 @@ with a target's tokenizer; ``zoo_path("smollm2-135m/retrieval")`` builds the rea
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import shutil
@@ -35,7 +36,7 @@ import torch
 
 from specdec.batch import Sequences
 from specdec.drafters.base import DecodeContext, Proposal, StatelessSession, TreeConfig, recorded_defaults
-from specdec.drafters.prompt_lookup import lookup_many
+from specdec.drafters.prompt_lookup import lookup_many, tree_proposal
 from specdec.errors import InvalidArgumentError, SpecdecError
 
 FORMAT = "specdec-datastore"
@@ -139,22 +140,9 @@ class Datastore:
         """[lo, hi): the entries of ``order`` whose next len(query) tokens equal ``query`` (at most
         key_length tokens)."""
         query = list(query)
-        hi = self.order.shape[0]
-        first, last = 0, hi
-        while first < last:  # first entry >= query
-            middle = (first + last) // 2
-            if self._window(middle, len(query)) < query:
-                first = middle + 1
-            else:
-                last = middle
-        start, last = first, hi
-        while first < last:  # first entry > query
-            middle = (first + last) // 2
-            if self._window(middle, len(query)) <= query:
-                first = middle + 1
-            else:
-                last = middle
-        return start, first
+        entries, window = range(self.order.shape[0]), lambda index: self._window(index, len(query))
+        start = bisect.bisect_left(entries, query, key=window)
+        return start, bisect.bisect_right(entries, query, lo=start, key=window)
 
     def continuations(self, context: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
                       samples: int) -> list[list[int]]:
@@ -287,13 +275,4 @@ class RetrievalSession(StatelessSession):
         tree, device = self.tree, seqs.tokens.device
         shape = (tree.depth, tree.topk, tree.num_nodes) if tree is not None else (k, 1, k)
         rows = [self._row(seqs.tokens[row, :length].cpu(), *shape) for row, length in enumerate(seqs.lengths.tolist())]
-        width = k if tree is None else max(1, max(len(tokens) for tokens, _, _ in rows))
-        table = torch.zeros(3, len(rows), width, dtype=torch.long)  # tokens, parents, depths
-        table[1] = -1
-        for row, columns in enumerate(rows):
-            table[:, row, : len(columns[0])] = torch.tensor(columns, dtype=torch.long).reshape(3, -1)
-        tokens, parents, depths = table.to(device)
-        lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
-        if tree is None:
-            return Proposal(tokens, lengths)
-        return Proposal(tokens, lengths, None, parents, depths)
+        return tree_proposal(rows, device, width=k if tree is None else None, chain=tree is None)
