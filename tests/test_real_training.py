@@ -669,3 +669,38 @@ def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, 
     code = main(["generate", "--target", str(chat_dir), "--drafter", "mtp", "--draft", str(tmp_path / "missing"),
                  "--prompt", "hi", "--max-new-tokens", "4"])
     assert code == 2
+
+
+def test_the_answers_source_is_the_targets_greedy_answers(chat_dir, sharegpt, tmp_path, monkeypatch, capsys):
+    from specdec.commands.cli import main
+    from specdec.drafters.retrieval import Datastore
+    from specdec.zoo import datastores
+
+    for key, value in dict(count=5, prompt_len=32, new_tokens=6, batch=2).items():
+        monkeypatch.setitem(datastores.ANSWERS, key, value)
+    assert main(["datastore", "--target", str(chat_dir), "--out", str(tmp_path / "store"), "--sources", "answers"]) == 0
+    store = Datastore(tmp_path / "store")
+    assert store.config["sources"] == ["answers"] and store.config["sequences"] == 5
+    tokenizer = load_tokenizer(chat_dir)
+    prompts = features.opening_prompt_ids(tokenizer, "train", 5, 32, seed=0)
+    target = load_target(chat_dir, dtype=torch.bfloat16)
+    greedy = specdec.generate(target, prompts, max_new_tokens=6).token_ids
+    ends = np.flatnonzero(store.tokens < 0)
+    rows = np.split(store.tokens[: ends[4] + 1], ends[:4] + 1)
+    stored = sorted(row[:-1].tolist() for row in rows)
+    assert stored == sorted(p + g for p, g in zip(prompts, greedy))  # each train prompt and its greedy answer
+    held = features.opening_prompt_ids(tokenizer, "heldout", 10, 32, seed=0)
+    assert held and not any(row[: len(p)] == p for row in stored for p in held)  # no held-out prompt enters
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(features, "continuations", no_generation)
+    assert main(["datastore", "--target", str(chat_dir), "--out", str(tmp_path / "again"), "--sources", "answers"]) == 0
+    assert Datastore(tmp_path / "again").config["tokens"] == store.config["tokens"]  # from the cache
+    plain = save_tiny(tmp_path / "plain", "llama", build_tokenizer())
+    capsys.readouterr()
+    assert main(["datastore", "--target", str(plain), "--out", str(tmp_path / "none"), "--sources", "answers"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a target with a chat template" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "none").exists()

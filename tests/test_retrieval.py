@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 import specdec
 from specdec import TreeConfig
@@ -90,6 +91,12 @@ def test_damaged_or_missing_datastores_are_one_line(model_dirs, tmp_path, capsys
                  "--prompt", "x"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "order.npy does not read" in err and len(err.splitlines()) == 1
+    from specdec.zoo import zoo_path
+    eagle = zoo_path("eagle")  # another method's folder: a drafter's config.json, not a datastore
+    code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", "retrieval", "--draft", str(eagle),
+                 "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is not a specdec datastore" in err and len(err.splitlines()) == 1
 
 
 def target_store(target, prompts, reference, folder):
@@ -159,6 +166,25 @@ def test_datastore_command(model_dirs, tmp_path, capsys):
     assert not (tmp_path / "other").exists()
 
 
+def test_bench_records_each_of_two_datastores_by_its_folder(model_dirs, tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("for row in rows:\n    print(row)\n" * 10)
+    stores = [tmp_path / "first", tmp_path / "second"]
+    for store in stores:
+        assert main(["datastore", "--target", str(model_dirs["llama"]), "--out", str(store), "--sources", str(text)]) == 0
+    out, prompts = tmp_path / "bench.json", tmp_path / "prompts.txt"
+    prompts.write_text(json.dumps({"prompt": "for row in rows:\n"}) + "\n")
+    assert main(["bench", "--target", str(model_dirs["llama"]), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "-k", "2", "--trees", "2/2/3", "--drafters", f"retrieval={stores[0]}", f"retrieval={stores[1]}",
+                 "--no-transformers",
+                 "--record", "--output", str(out)]) == 0
+    labels = [row["method"] for row in json.loads(out.read_text())["rows"]]
+    for setting in ("k=2", "tree=2/2/3"):  # each row names its datastore's folder
+        assert f"specdec retrieval {setting} (first)" in labels and f"specdec retrieval {setting} (second)" in labels
+    for store in stores:
+        assert Datastore(store).config["specdec"]["defaults"]["measured_on"]
+
+
 def test_recorded_defaults_are_used(tmp_path):
     folder = build_datastore([[1, 2, 3]], tmp_path / "store", vocab_size=10)
     config = json.loads((folder / "config.json").read_text())
@@ -199,7 +225,13 @@ def test_the_real_targets_datastore_is_built_once_with_its_measured_setting(monk
     assert drafter.default_draft_tokens == datastores.REAL_DEFAULTS["num_draft_tokens"] and drafter.default_tree is None
     text.write_text("changed")
     assert real_zoo_path("smollm2-135m/retrieval") == folder  # reused, not rebuilt
-    assert Datastore(folder).config["tokens"] > 20
+    tokens = Datastore(folder).config["tokens"]
+    assert tokens > 20
+    other = tmp_path / "other.txt"  # a folder built from other sources (an earlier version's) is rebuilt
+    other.write_text("Sure! Here is a list:\n1. one\n2. two\n" * 5)
+    monkeypatch.setattr(datastores, "REAL_SOURCES", (str(other),))
+    assert real_zoo_path("smollm2-135m/retrieval") == folder
+    assert Datastore(folder).config["sources"] == ["other.txt"] and Datastore(folder).config["tokens"] != tokens
 
 
 def test_bench_asks_for_a_datastore_where_the_zoo_has_none(capsys):
@@ -208,3 +240,50 @@ def test_bench_asks_for_a_datastore_where_the_zoo_has_none(capsys):
     with pytest.raises(InvalidArgumentError, match="specdec datastore"):
         parse_drafter("retrieval", "some/folder")
     assert parse_drafter("retrieval=/data/store", "some/folder") == ("retrieval", "/data/store")
+
+
+def test_kept_answers_serve_only_their_target_and_recipe(tmp_path):
+    from specdec.zoo.datastores import kept_answers, save_answers
+
+    rows = [[5, 6, 7], [8], [70000, 1]]
+    meta = {"target": "abc", "count": 3, "prompt_len": 4, "new_tokens": 2}
+    save_answers(rows, tmp_path / "m" / "answers", meta)
+    assert kept_answers(meta, [tmp_path / "none", tmp_path / "m" / "answers"]) == rows
+    assert kept_answers({**meta, "target": "xyz"}, [tmp_path / "m" / "answers"]) is None
+    assert kept_answers({**meta, "new_tokens": 3}, [tmp_path / "m" / "answers"]) is None
+    assert not list((tmp_path / "m" / "answers").glob(".*"))  # no temporary left
+
+
+def test_the_real_datastore_leaves_out_answers_the_zoo_lacks(monkeypatch, tmp_path, model_dirs, capsys):
+    import specdec.zoo as zoo
+    from specdec.zoo import datastores
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "notes.txt"
+    text.write_text("Here is an example:\n```python\nprint(1)\n```\n" * 5)
+    monkeypatch.setattr(datastores, "REAL_SOURCES", (str(text), "answers"))
+    real_zoo_path = zoo.zoo_path
+    monkeypatch.setattr(zoo, "zoo_path", lambda name: model_dirs["llama"] if name == "smollm2-135m" else real_zoo_path(name))
+    monkeypatch.setattr(datastores, "target_answers", lambda *a, **k: pytest.fail("answers generated on first use"))
+    folder = real_zoo_path("smollm2-135m/retrieval")
+    assert "holds no answers" in capsys.readouterr().err
+    assert Datastore(folder).config["sources"] == ["notes.txt"]
+    assert real_zoo_path("smollm2-135m/retrieval") == folder
+    assert "building" not in capsys.readouterr().err  # not rebuilt
+
+
+def test_several_datastores_draft_from_the_longest_match(tmp_path):
+    from specdec.drafters.retrieval import RetrievalSession
+
+    short = build_datastore([[2, 3, 9, 9]], tmp_path / "short", vocab_size=10)  # matches [2, 3] only
+    long = build_datastore([[1, 2, 3, 4, 4]], tmp_path / "long", vocab_size=10)  # matches [1, 2, 3]
+    tied = build_datastore([[1, 2, 3, 5, 5], [1, 2, 3, 5, 6]], tmp_path / "tied", vocab_size=10)
+    context = torch.tensor([7, 1, 2, 3])
+    row = RetrievalSession(Retrieval([short, long], context_paths=0))._row(context, 2, 1, 2)
+    assert row[0] == [4, 4]  # the longer match drafts; the shorter one's 9s do not
+    scores = score_paths([], [[4, 4]], [[5, 5], [5, 6]])
+    assert scores[(4,)] == 0.5 and scores[(5,)] == 0.5 and scores[(5, 5)] == 0.25
+    tokens, parents, _ = RetrievalSession(Retrieval([long, tied], context_paths=0))._row(context, 2, 2, 4)
+    assert sorted(tokens[:2]) == [4, 5] and len(tokens) == 4 and parents[:2] == [-1, -1]
+    with pytest.raises(InvalidArgumentError, match="at least one datastore"):
+        Retrieval([])

@@ -355,7 +355,7 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
         if chain_ks:
             methods += policy_methods(engine, name, drafter, max(chain_ks), policies, max_new_tokens, batch_size,
                                       tag, note)
-        methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree)
+        methods += [specdec_method(engine, name, drafter, None, max_new_tokens, batch_size, tag, tree, note=note)
                     for tree in drafter_trees]
     return methods
 

@@ -15,7 +15,8 @@ def add_datastore_command(commands) -> None:
                         help="the model whose tokenizer the datastore uses (a folder, a GGUF file or smollm2-135m)")
     parser.add_argument("--out", required=True, type=Path, help="the datastore folder (written atomically)")
     parser.add_argument("--sources", nargs="+", default=list(REAL_SOURCES), metavar="SOURCE",
-                        help=f"{' | '.join(SOURCES)} | a UTF-8 text file (each file one sequence); "
+                        help=f"{' | '.join(SOURCES)} | a UTF-8 text file (each file one sequence; answers: the "
+                             f"target's own greedy answers to ShareGPT train prompts, generated once and cached); "
                              f"default: {' '.join(REAL_SOURCES)}")
     parser.set_defaults(func=run_datastore)
 
@@ -37,5 +38,5 @@ def run_datastore(args) -> int:
     tokenizer = load_tokenizer(folder) if Path(folder).is_dir() else None
     if tokenizer is None:
         raise InvalidArgumentError(f"{args.target} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    print(build(tokenizer, args.sources, out))
+    print(build(tokenizer, args.sources, out, target_dir=folder))
     return 0

@@ -144,10 +144,9 @@ class Datastore:
         start = bisect.bisect_left(entries, query, key=window)
         return start, bisect.bisect_right(entries, query, lo=start, key=window)
 
-    def continuations(self, context: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
-                      samples: int) -> list[list[int]]:
-        """What followed the longest tail of ``context`` (max_ngram down to min_ngram tokens) found here,
-        ``depth`` tokens (fewer where its sequence ended) at up to ``samples`` evenly spread occurrences."""
+    def match(self, context: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[int, int, int]:
+        """(n, lo, hi): the longest tail of ``context`` (max_ngram down to min_ngram tokens) found here and
+        its entries [lo, hi) of ``order``; n = 0 where no tail of min_ngram tokens occurs."""
         longest = min(max_ngram, self.key_length, len(context))
         found, span = 0, (0, 0)
         for n in range(min_ngram, longest + 1):  # where a tail does not occur, no longer tail does
@@ -158,9 +157,13 @@ class Datastore:
             if hits[0] == hits[1]:
                 break
             found, span = n, hits
-        if found < min_ngram:
+        return (found, *span) if found >= min_ngram else (0, 0, 0)
+
+    def following(self, found: int, lo: int, hi: int, depth: int, samples: int) -> list[list[int]]:
+        """What followed the ``found``-token tail at entries [lo, hi): ``depth`` tokens (fewer where its
+        sequence ended) at up to ``samples`` evenly spread occurrences."""
+        if hi <= lo:
             return []
-        lo, hi = span
         picks = np.arange(samples) * (hi - lo) // samples + lo if hi - lo > samples else np.arange(lo, hi)
         starts = np.asarray(self.order[picks], dtype=np.int64) + found
         window = np.minimum(starts[:, None] + np.arange(depth), self.tokens.shape[0] - 1)
@@ -171,6 +174,12 @@ class Datastore:
             if end:
                 paths.append(row[:end])
         return paths
+
+    def continuations(self, context: Sequence[int], depth: int, max_ngram: int, min_ngram: int,
+                      samples: int) -> list[list[int]]:
+        """What followed the longest tail of ``context`` (max_ngram down to min_ngram tokens) found here,
+        ``depth`` tokens (fewer where its sequence ended) at up to ``samples`` evenly spread occurrences."""
+        return self.following(*self.match(context, max_ngram, min_ngram), depth, samples)
 
 
 def select_nodes(scores: dict[tuple[int, ...], float], depth: int, topk: int, num_nodes: int,
@@ -202,10 +211,12 @@ def select_nodes(scores: dict[tuple[int, ...], float], depth: int, topk: int, nu
     return ([p[-1] for p in chosen], [index.get(p[:-1], -1) for p in chosen], [len(p) for p in chosen])
 
 
-def score_paths(context_paths: list[list[int]], store_paths: list[list[int]]) -> dict[tuple[int, ...], float]:
-    """Each prefix's score: 1 per context path through it plus the share of datastore paths through it."""
+def score_paths(context_paths: list[list[int]], *store_paths: list[list[int]]) -> dict[tuple[int, ...], float]:
+    """Each prefix's score: 1 per context path through it plus the share of datastore paths through it
+    (several datastores' paths: the mean of their shares)."""
     scores: dict[tuple[int, ...], float] = {}
-    for weight, paths in ((1.0, context_paths), (1.0 / max(1, len(store_paths)), store_paths)):
+    weighted = [(1.0, context_paths)] + [(1.0 / (max(1, len(paths)) * len(store_paths)), paths) for paths in store_paths]
+    for weight, paths in weighted:
         for path in paths:
             for end in range(1, len(path) + 1):
                 prefix = tuple(path[:end])
@@ -215,7 +226,8 @@ def score_paths(context_paths: list[list[int]], store_paths: list[list[int]]) ->
 
 @dataclass(frozen=True)
 class Retrieval:
-    """REST: drafts from a datastore (a folder, or a ``Datastore``) and from the context."""
+    """REST: drafts from a datastore (a folder, or a ``Datastore``; or a list of them, of which those with
+    the longest match of the context's tail draft, their shares averaged) and from the context."""
 
     datastore: object
     max_ngram: int = 6
@@ -226,6 +238,7 @@ class Retrieval:
     min_score: float = 0.1          # drafts no node scored below this (share of datastore paths; context: 1)
     name: str = "retrieval"
     store: Datastore = field(init=False, repr=False, compare=False)
+    stores: tuple = field(init=False, repr=False, compare=False)
     default_draft_tokens: int | None = field(init=False, repr=False, compare=False)
     default_tree: TreeConfig | None = field(init=False, repr=False, compare=False)
 
@@ -234,24 +247,36 @@ class Retrieval:
             raise InvalidArgumentError(f"retrieval needs 1 <= min_ngram <= max_ngram, samples >= 1 and "
                                        f"context_paths >= 0; got {self.min_ngram}..{self.max_ngram}, "
                                        f"{self.samples}, {self.context_paths}")
-        store = self.datastore if isinstance(self.datastore, Datastore) else Datastore(self.datastore)
+        given = self.datastore if isinstance(self.datastore, (list, tuple)) else [self.datastore]
+        if not given:
+            raise InvalidArgumentError("retrieval needs at least one datastore")
+        stores = tuple(item if isinstance(item, Datastore) else Datastore(item) for item in given)
+        store = stores[0]  # its recorded setting and tokenizer record speak for all
         object.__setattr__(self, "store", store)
+        object.__setattr__(self, "stores", stores)
         k, tree = recorded_defaults(str(store.folder))  # bench --record's fastest setting
         object.__setattr__(self, "default_draft_tokens", k)
         object.__setattr__(self, "default_tree", tree)
 
+    @property
+    def path(self) -> str:
+        """The (first) datastore's folder: what bench's labels and ``--record`` name the drafter by."""
+        return str(self.store.folder)
+
     def check_target(self, target) -> None:
         """Refuse, in one line, a target whose tokenizer is not the one the datastore was built with."""
-        recorded = self.store.config.get("tokenizer")
-        tokenizer = getattr(target, "tokenizer", None)
-        if recorded and tokenizer is not None:
-            from specdec.zoo.datastores import tokenizer_fingerprint
-            if tokenizer_fingerprint(tokenizer) != recorded:
-                raise InvalidArgumentError(f"the datastore {self.store.folder} was built with another tokenizer "
-                                           f"({recorded}); build one with the target's (specdec datastore)")
-        if self.store.vocab_size > target.vocab_size:
-            raise InvalidArgumentError(f"the datastore {self.store.folder} holds token ids up to {self.store.vocab_size}, "
-                                       f"the target's vocabulary {target.vocab_size}: build it with the target's tokenizer")
+        for store in self.stores:
+            recorded = store.config.get("tokenizer")
+            tokenizer = getattr(target, "tokenizer", None)
+            if recorded and tokenizer is not None:
+                from specdec.zoo.datastores import tokenizer_fingerprint
+                if tokenizer_fingerprint(tokenizer) != recorded:
+                    raise InvalidArgumentError(f"the datastore {store.folder} was built with another tokenizer "
+                                               f"({recorded}); build one with the target's (specdec datastore)")
+            if store.vocab_size > target.vocab_size:
+                raise InvalidArgumentError(f"the datastore {store.folder} holds token ids up to {store.vocab_size}, "
+                                           f"the target's vocabulary {target.vocab_size}: build it with the target's "
+                                           f"tokenizer")
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "RetrievalSession":
         if getattr(self, "_checked", None) is not context.target:
@@ -268,8 +293,12 @@ class RetrievalSession(StatelessSession):
         config = self.config
         context = lookup_many(tokens, config.context_max_ngram, 1, depth, config.context_paths) \
             if config.context_paths else []
-        store = config.store.continuations(tokens.tolist(), depth, config.max_ngram, config.min_ngram, config.samples)
-        return select_nodes(score_paths(context, store), depth, topk, num_nodes, config.min_score)
+        ids = tokens.tolist()
+        matches = [(store, store.match(ids, config.max_ngram, config.min_ngram)) for store in config.stores]
+        longest = max(found for _, (found, _, _) in matches)
+        paths = [store.following(*match, depth, config.samples) for store, match in matches
+                 if longest and match[0] == longest]
+        return select_nodes(score_paths(context, *paths), depth, topk, num_nodes, config.min_score)
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         tree, device = self.tree, seqs.tokens.device
