@@ -182,7 +182,7 @@ def test_bench_records_each_of_two_datastores_by_its_folder(model_dirs, tmp_path
     for setting in ("k=2", "tree=2/2/3"):  # each row names its datastore's folder
         assert f"specdec retrieval {setting} (first)" in labels and f"specdec retrieval {setting} (second)" in labels
     for store in stores:
-        assert Datastore(store).config["specdec"]["defaults"]["measured_on"]
+        assert Datastore(store).config["specdec"]["defaults"]["measured_on"].endswith(" threads, float32")
 
 
 def test_recorded_defaults_are_used(tmp_path):

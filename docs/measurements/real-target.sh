@@ -312,3 +312,23 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
   -k 2 4 --trees 4/2/6 --drafters retrieval --no-transformers --threads 2 --temperature 0.7 --output $OUT/retrieval-t07-zen1-s17.json
 specdec demo > $OUT/demo-zen1-s17.txt 2>&1
+
+# ---- eighteenth session: an AVX2-only Zen 3 (AMD EPYC family 25 model 1); the target's own answers as retrieval data,
+# AVX2 bfloat16 tiles ----
+mv ~/.cache/specdec/datastores/smollm2-135m ds-base                          # the seventeenth session's datastore, kept aside
+specdec datastore --target smollm2-135m --out ds-answers --sources answers   # 4,096 greedy answers: 43 min once, then cached
+specdec datastore --target smollm2-135m --out ds-merged --sources sharegpt stdlib answers
+python docs/measurements/retrieval_offline.py 16 128 $OUT/retrieval-offline-zen3-s18.json base=ds-base answers=ds-answers \
+  both=ds-base+ds-answers merged=ds-merged
+python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m/retrieval'))"   # now with the committed answers
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 3 4 --trees 3/2/4 4/2/6 --drafters retrieval retrieval=ds-base --no-transformers --threads 2 \
+  --output $OUT/retrieval-answers-zen3-s18.json
+# A.c: kernels.c of the commit before (git show c9343e6:src/specdec/models/kernels.c)
+python docs/measurements/products_variants.py 2 bfloat16 1,2,3,4,5,6,8 A.c src/specdec/models/kernels.c
+python docs/measurements/products_variants.py 2 float32 1,2,3,4,5,6,8,16 A.c E.c   # E: the bfloat16 rule for float32 too
+python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))") \
+  A.c src/specdec/models/kernels.c 15 1,2,3,4,5,6,8 bfloat16 > $OUT/forward-ab-tiles-zen3-s18.txt
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 3 4 --trees 4/2/6 --drafters retrieval eagle eagle3 --no-transformers --threads 2 --record \
+  --output $OUT/tiles-bench-zen3-s18.json

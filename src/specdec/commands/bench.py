@@ -790,7 +790,7 @@ def run_bench_command(args) -> int:
         entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else [])
         for name, folder in entries:
             record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
-                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
+                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}",
                            several=sum(other == name for other, _ in entries) > 1)
     return 0 if result["outputs_identical"] is not False else 1
 
