@@ -15,8 +15,10 @@ which is where REST's trie of retrieved continuations goes. Drafts are point mas
 verification keeps exactly the target's greedy tokens or its sampling distribution.
 
 ``build_datastore`` writes a folder from token sequences (atomically, its size printed first);
-``specdec datastore`` builds one from ShareGPT's train split, the stdlib's train split or text files
-with a target's tokenizer; ``zoo_path("smollm2-135m/retrieval")`` builds the real target's on first use.
+``specdec datastore`` builds one from ShareGPT's train split, the stdlib's train split, the target's own
+answers or text files with a target's tokenizer; ``zoo_path("smollm2-135m/retrieval")`` builds the real
+target's on first use. A drafter may draft from several datastores: those whose match of the context's
+tail is the longest of all draft, their shares averaged.
 """
 
 from __future__ import annotations

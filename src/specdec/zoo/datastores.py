@@ -2,10 +2,12 @@
 
 Sources: ``sharegpt`` (the train split's conversations, each rendered whole with the tokenizer's chat
 template when it has one; the held-out split, which the task sets come from, never enters),
-``stdlib`` (the running interpreter's standard library, the zoo corpus's train split) and text files
-(each file one sequence). ``zoo_path("smollm2-135m/retrieval")`` is the real target's, built from
-``sharegpt`` and ``stdlib`` into ``$SPECDEC_CACHE/datastores/smollm2-135m`` on first use (about two
-minutes on two cores; delete the folder to rebuild it).
+``stdlib`` (the running interpreter's standard library, the zoo corpus's train split), ``answers``
+(the target's own greedy answers to first user turns of the train split, generated once and cached;
+the real target's are committed) and text files (each file one sequence).
+``zoo_path("smollm2-135m/retrieval")`` is the real target's, built from ``sharegpt``, ``stdlib`` and
+``answers`` into ``$SPECDEC_CACHE/datastores/smollm2-135m`` on first use (one to two minutes on two
+cores; delete the folder to rebuild it).
 """
 
 from __future__ import annotations
