@@ -332,3 +332,5 @@ python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo i
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
   -k 2 3 4 --trees 4/2/6 --drafters retrieval eagle eagle3 --no-transformers --threads 2 --record \
   --output $OUT/tiles-bench-zen3-s18.json
+python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))") \
+  EVEN.c src/specdec/models/kernels.c 15 1,3,5,7,8,9,16 bfloat16 > $OUT/forward-ab-rest-zen3-s18.txt   # EVEN.c: commit fbac5e7's
