@@ -334,3 +334,7 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --output $OUT/tiles-bench-zen3-s18.json
 python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))") \
   EVEN.c src/specdec/models/kernels.c 15 1,3,5,7,8,9,16 bfloat16 > $OUT/forward-ab-rest-zen3-s18.txt   # EVEN.c: commit fbac5e7's
+S=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m/retrieval'))")
+python docs/measurements/retrieval_offline.py 16:32 128 $OUT/retrieval-ctx-validate-zen3-s18.json ctx3=$S@context_max_ngram=3 ctx8=$S
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
+  -k 2 3 4 5 --trees 4/2/6 --drafters retrieval --no-transformers --threads 2 --record --output $OUT/retrieval-ctx8-zen3-s18.json

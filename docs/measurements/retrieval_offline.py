@@ -1,7 +1,8 @@
 """Retrieval datastores compared offline: drafts scored against the target's greedy continuations.
 
-python docs/measurements/retrieval_offline.py PROMPTS_PER_SET NEW_TOKENS OUT.json NAME=STORE[+STORE] [...]
-(STORE+STORE: one drafter over two datastores, those with the longest match drafting)
+python docs/measurements/retrieval_offline.py PROMPTS NEW_TOKENS OUT.json NAME=STORE[+STORE][@OPTION=VALUE,...] [...]
+(PROMPTS: N, the first N of each task set, or A:B, its A-th to B-th; STORE+STORE: one drafter over two
+datastores, those with the longest match drafting; @OPTION=VALUE: Retrieval's options, integers)
 
 The real target (bfloat16, 2 threads) continues PROMPTS_PER_SET held-out prompts each of `sharegpt` and
 `humaneval` greedily by NEW_TOKENS tokens (once; kept beside OUT.json). Then, for every generated position
@@ -28,11 +29,14 @@ from specdec.zoo import zoo_path
 from specdec.zoo.tasks import load_tasks
 
 torch.set_num_threads(2)
-per_set, new_tokens, output = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+first, _, last = sys.argv[1].rpartition(":")
+first, last = int(first or 0), int(last)
+per_set = sys.argv[1].replace(":", "-")
+new_tokens, output = int(sys.argv[2]), Path(sys.argv[3])
 stores = dict(arg.split("=", 1) for arg in sys.argv[4:])
 folder = zoo_path("smollm2-135m")
 tokenizer = load_tokenizer(folder)
-sets = {name: load_tasks(name, tokenizer=tokenizer)[:per_set] for name in ("sharegpt", "humaneval")}
+sets = {name: load_tasks(name, tokenizer=tokenizer)[first:last] for name in ("sharegpt", "humaneval")}
 kept = output.with_name(f"{output.stem}-greedy-{per_set}-{new_tokens}.pt")
 if kept.is_file():
     greedy = torch.load(kept)
@@ -61,7 +65,9 @@ def accepted(tokens, parents, truth):
 shapes = {"k=2": (2, 1, 2), "k=4": (4, 1, 4), "tree 4/2/6": (4, 2, 6)}
 result = {"per_set": per_set, "new_tokens": new_tokens, "stores": stores, "rows": []}
 for label, store in stores.items():
-    session = RetrievalSession(Retrieval(store.split("+")))
+    store, _, options = store.partition("@")
+    options = {key: int(value) for key, value in (item.split("=") for item in options.split(",") if item)}
+    session = RetrievalSession(Retrieval(store.split("+"), **options))
     for name, pairs in greedy.items():
         for shape_name, shape in shapes.items():
             runs = []

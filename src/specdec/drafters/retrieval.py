@@ -236,7 +236,7 @@ class Retrieval:
     min_ngram: int = 2
     samples: int = 64
     context_paths: int = 1          # prompt lookup's matches in the context, weight 1 each (0: datastore only)
-    context_max_ngram: int = 3
+    context_max_ngram: int = 8       # the longest tail of the context looked up in the context itself
     min_score: float = 0.1          # drafts no node scored below this (share of datastore paths; context: 1)
     name: str = "retrieval"
     store: Datastore = field(init=False, repr=False, compare=False)
