@@ -339,3 +339,5 @@ python docs/measurements/retrieval_offline.py 16:32 128 $OUT/retrieval-ctx-valid
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 \
   -k 2 3 4 5 --trees 4/2/6 --drafters retrieval --no-transformers --threads 2 --record --output $OUT/retrieval-ctx8-zen3-s18.json
 specdec demo > $OUT/demo-zen3-s18.txt 2>&1   # after the answers and the 4/5-row tiles; again at the end: demo-zen3-s18-final.txt
+specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 -k 2 3 4 \
+  --drafters retrieval=$S --no-transformers --threads 2 --output $OUT/retrieval-q4_1-zen3-s18.json
