@@ -116,9 +116,13 @@ def test_the_gguf_file_run_quantized_keeps_every_drafter_exact(real_dir, prompts
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_retrieval_from_the_real_datastore_equals_plain_decoding(real_dir, prompts, dtype):
-    """The real target's datastore (ShareGPT's train split and the stdlib, built once in the cache): chains
-    at its recorded k and a tree, equal to plain decoding, drafts accepted."""
+    """The real target's datastore (ShareGPT's train split, the stdlib and the target's committed answers,
+    built once in the cache): chains at its recorded k and a tree, equal to plain decoding, drafts accepted."""
     from specdec.drafters import Retrieval
+    from specdec.zoo.datastores import answers_meta, kept_answers
+
+    answers = kept_answers(answers_meta(real_dir))  # the committed answers are this target's: none generated
+    assert answers is not None and len(answers) == 4096 and sum(map(len, answers)) == 941_783
 
     try:
         folder = zoo_path(f"{REAL}/retrieval")
