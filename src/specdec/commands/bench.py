@@ -788,10 +788,10 @@ def run_bench_command(args) -> int:
     print(json.dumps(result) if args.json else format_table(result))
     if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
         entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else [])
+        measured_on = (f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
+                       f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}")
         for name, folder in entries:
-            record_fastest(result, name, folder, f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
-                                                 f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}",
-                           several=sum(other == name for other, _ in entries) > 1)
+            record_fastest(result, name, folder, measured_on, several=sum(other == name for other, _ in entries) > 1)
     return 0 if result["outputs_identical"] is not False else 1
 
 

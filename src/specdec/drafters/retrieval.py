@@ -217,7 +217,8 @@ def score_paths(context_paths: list[list[int]], *store_paths: list[list[int]]) -
     """Each prefix's score: 1 per context path through it plus the share of datastore paths through it
     (several datastores' paths: the mean of their shares)."""
     scores: dict[tuple[int, ...], float] = {}
-    weighted = [(1.0, context_paths)] + [(1.0 / (max(1, len(paths)) * len(store_paths)), paths) for paths in store_paths]
+    weighted = [(1.0, context_paths)] + [(1.0 / (max(1, len(paths)) * len(store_paths)), paths)
+                                         for paths in store_paths]
     for weight, paths in weighted:
         for path in paths:
             for end in range(1, len(path) + 1):
@@ -267,14 +268,15 @@ class Retrieval:
 
     def check_target(self, target) -> None:
         """Refuse, in one line, a target whose tokenizer is not the one the datastore was built with."""
+        from specdec.zoo.datastores import tokenizer_fingerprint
+
+        tokenizer = getattr(target, "tokenizer", None)
+        fingerprint = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
         for store in self.stores:
             recorded = store.config.get("tokenizer")
-            tokenizer = getattr(target, "tokenizer", None)
-            if recorded and tokenizer is not None:
-                from specdec.zoo.datastores import tokenizer_fingerprint
-                if tokenizer_fingerprint(tokenizer) != recorded:
-                    raise InvalidArgumentError(f"the datastore {store.folder} was built with another tokenizer "
-                                               f"({recorded}); build one with the target's (specdec datastore)")
+            if recorded and fingerprint is not None and fingerprint != recorded:
+                raise InvalidArgumentError(f"the datastore {store.folder} was built with another tokenizer "
+                                           f"({recorded}); build one with the target's (specdec datastore)")
             if store.vocab_size > target.vocab_size:
                 raise InvalidArgumentError(f"the datastore {store.folder} holds token ids up to {store.vocab_size}, "
                                            f"the target's vocabulary {target.vocab_size}: build it with the target's "

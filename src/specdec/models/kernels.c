@@ -497,6 +497,7 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
     float acc[6 * 6 * NR];
     long pstride = K * NR;
     size_t wsize = esize(o->dtype);
+    int wide_weights = o->dtype == F32; /* four bytes a weight: the row blocks below differ */
     /* Panels outer, rows inner: a group of panels stays in L2 while every row block uses it, and the
        first row block asks for the next group's weights meanwhile. */
     for (long p = p0; p < p1;) {
@@ -508,11 +509,9 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
                one block (4 and 5 rows one pass: 0.6-0.7x the time of 2 + 2 and 3 + 2 on a Zen 3), tiles
                of 3-6 rows one panel wide, so the chains and weights fit the 16 registers, and a 2-row
                rest two panels wide (7 and 8 rows 0.83-0.89x the time of 4 + 3 and 4 + 4 there). */
-            int R = o->dtype != F32 ? (M - m >= 6 ? 6 : (int)(M - m))
-                  : M - m >= 6 ? 6 : M - m == 4 ? 2 : M - m == 5 ? 3 : (int)(M - m);
+            int R = M - m >= 6 ? 6 : !wide_weights ? (int)(M - m) : M - m == 4 ? 2 : M - m == 5 ? 3 : (int)(M - m);
             for (long q = p; q < p + group;) {
-                int P = R >= 4 ? 1 : R == 3 ? (o->dtype != F32 ? 1 : 2)
-                      : R == 2 ? (o->dtype != F32 && M > 2 ? 2 : 3) : 6;
+                int P = R >= 4 ? 1 : R == 3 ? (wide_weights ? 2 : 1) : R == 2 ? (wide_weights || M == 2 ? 3 : 2) : 6;
                 if (P > p + group - q) P = (int)(p + group - q);
                 pick_tile(R, P, o->dtype, m == 0 && ahead, layout)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
                                                            pstride, acc, ahead);

@@ -12,6 +12,7 @@ cores; delete the folder to rebuild it).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -88,14 +89,20 @@ def kept_answers(meta: dict, folders: Iterable[Path] | None = None) -> list[list
     return [tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def answers_meta(target_dir: str | Path) -> dict:
-    """What identifies the answers of ``target_dir`` to the ``answers`` recipe: the target's fingerprint
-    and the recipe."""
+@functools.lru_cache(maxsize=8)
+def _weights_fingerprint(target_dir: str) -> str:
+    """The target's fingerprint (loading it once per process: the zoo's check and the build both ask)."""
     import torch
 
     from specdec.backends.target import load_target
 
-    return {"target": load_target(target_dir, dtype=torch.bfloat16).fingerprint(), "count": ANSWERS["count"],
+    return load_target(target_dir, dtype=torch.bfloat16).fingerprint()
+
+
+def answers_meta(target_dir: str | Path) -> dict:
+    """What identifies the answers of ``target_dir`` to the ``answers`` recipe: the target's fingerprint
+    and the recipe."""
+    return {"target": _weights_fingerprint(str(Path(target_dir).resolve())), "count": ANSWERS["count"],
             "prompt_len": ANSWERS["prompt_len"], "new_tokens": ANSWERS["new_tokens"]}
 
 
@@ -182,16 +189,19 @@ def source_names(sources: Iterable[str]) -> list[str]:
 
 
 def build(tokenizer, sources: Iterable[str], out: str | Path, progress: bool = True,
-          defaults: dict | None = None, target_dir: str | Path | None = None) -> Path:
+          defaults: dict | None = None, target_dir: str | Path | None = None, left_out: Iterable[str] = ()) -> Path:
     """The datastore of ``sources`` tokenized by ``tokenizer``, written to ``out``; ``defaults``: the
     setting it records as fastest (``specdec.defaults``, as ``bench --record`` writes it); ``target_dir``:
-    the model whose answers the ``answers`` source holds."""
+    the model whose answers the ``answers`` source holds; ``left_out``: sources asked for but not
+    available for this target, recorded as such."""
     from specdec.drafters.retrieval import build_datastore
 
     sources = list(sources)
     vocab_size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
     meta = {"sources": source_names(sources),
             "tokenizer": tokenizer_fingerprint(tokenizer)}
+    if left_out:
+        meta["left_out"] = source_names(left_out)
     if defaults:
         meta["specdec"] = {"defaults": defaults}
     return build_datastore(tokenized(sources, tokenizer, progress, target_dir), out, vocab_size=vocab_size, meta=meta)
@@ -207,20 +217,21 @@ def real_datastore_dir(name: str) -> Path:
     base = REAL_MODELS[name].drafters or name
     folder = cache_root() / "datastores" / base
     try:
-        built = json.loads((folder / "config.json").read_text()).get("sources")
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        built = None
-    if built == source_names(REAL_SOURCES):
-        return folder
+        config = {}
+    if sorted(config.get("sources", []) + config.get("left_out", [])) == sorted(source_names(REAL_SOURCES)):
+        return folder  # built from every source this target has (an earlier version's is built again)
     target_dir = zoo_path(base)
-    sources = list(REAL_SOURCES)
+    sources, left_out = list(REAL_SOURCES), []
     if "answers" in sources and kept_answers(answers_meta(target_dir)) is None:
         # never 40 minutes of generation behind a first use: the committed answers are another target's
         print(f"[specdec] the zoo holds no answers of this {base}; its datastore is built without them "
               f"(`specdec datastore --sources ... answers` generates them)", file=sys.stderr, flush=True)
         sources.remove("answers")
-    if built != source_names(sources):
-        print(f"[specdec] building the retrieval datastore of {base} from {', '.join(sources)} "
-              f"(once; about two minutes) ...", file=sys.stderr, flush=True)
-        build(load_tokenizer(target_dir), sources, folder, defaults=REAL_DEFAULTS, target_dir=target_dir)
+        left_out.append("answers")
+    print(f"[specdec] building the retrieval datastore of {base} from {', '.join(sources)} "
+          f"(once; about two minutes) ...", file=sys.stderr, flush=True)
+    build(load_tokenizer(target_dir), sources, folder, defaults=REAL_DEFAULTS, target_dir=target_dir,
+          left_out=left_out)
     return folder
