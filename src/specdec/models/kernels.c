@@ -431,17 +431,20 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
 #define LOAD_F16(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR)
 #define LOAD_F16_HI(w, p, k, pstride) load_f16(w, (p) * (pstride) + (k) * NR + 8)
 
-/* With `ahead`, a tile also asks for the weights `ahead` elements further on in each panel, into L2:
- * the next group's, read from memory while this group's work runs from L2. */
+/* A tile with prefetching (PF) also asks, into L2, for `pf_lines` cache lines from `pf` on, spread
+ * over its steps: its share of the next group's weights, read from memory while this group's work
+ * runs from L2. */
 #define TILE_PF(R, P, NAME, LO, HI, PF, FN)                                                      \
-static void FN(const float* x, long K, const void* wp, long pstride, float* acc_out, long ahead) { \
+static void FN(const float* x, long K, const void* wp, long pstride, float* acc_out, const char* pf, \
+               long pf_lines) {                                                                  \
     v8 acc[R][2 * P];                                                                            \
-    (void)ahead;                                                                                 \
+    long owed = 0;                                                                               \
+    (void)pf; (void)owed;                                                                        \
     for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++) acc[r][c] = v_zero();          \
     for (long k = 0; k < K; k++) {                                                               \
         v8 wv[2 * P];                                                                            \
         for (int p = 0; p < P; p++) { wv[2 * p] = LO(wp, p, k, pstride); wv[2 * p + 1] = HI(wp, p, k, pstride); } \
-        if (PF) for (int p = 0; p < P; p++) PREFETCH_##NAME(wp, p * pstride + k * NR + ahead);     \
+        if (PF) for (owed += pf_lines; owed >= K; owed -= K, pf += 64) PREFETCH_LINE(pf);         \
         for (int r = 0; r < R; r++) {                                                            \
             v8 xv = v_set1(x[r * K + k]);                                                        \
             for (int c = 0; c < 2 * P; c++) acc[r][c] = v_fma(xv, wv[c], acc[r][c]);            \
@@ -450,38 +453,33 @@ static void FN(const float* x, long K, const void* wp, long pstride, float* acc_
     for (int r = 0; r < R; r++) for (int c = 0; c < 2 * P; c++)                                  \
         v_store(acc_out + (long)r * 6 * NR + c * 8, acc[r][c]);                                  \
 }
-/* Each tile twice: plain, and (3 rows and more, where a group's weights are reused from L2) asking
- * for the weights `ahead` elements further on in each panel, the next group's, while it works. */
-#define TILE(R, P, NAME, LO, HI) TILE_PF(R, P, NAME, LO, HI, 0, tile_##NAME##_##R##_##P)
+/* Each tile twice: plain (one or two rows, which read every weight once, from memory), and asking
+ * for its share of the next group's weights (more rows: every row block reads the group from L2). */
 #define TILE2(R, P, NAME, LO, HI)                                                                \
-    TILE(R, P, NAME, LO, HI) TILE_PF(R, P, NAME, LO, HI, 1, tilepf_##NAME##_##R##_##P)
+    TILE_PF(R, P, NAME, LO, HI, 0, tile_##NAME##_##R##_##P) TILE_PF(R, P, NAME, LO, HI, 1, tilepf_##NAME##_##R##_##P)
 #if defined(__AVX2__)
-#define PREFETCH_f32(w, at) _mm_prefetch((const char*)((const float*)(w) + (at)), _MM_HINT_T1)
-#define PREFETCH_bf16(w, at) _mm_prefetch((const char*)((const uint16_t*)(w) + (at)), _MM_HINT_T1)
+#define PREFETCH_LINE(at) _mm_prefetch((at), _MM_HINT_T1)
 #else
-#define PREFETCH_f32(w, at) ((void)0)
-#define PREFETCH_bf16(w, at) ((void)0)
+#define PREFETCH_LINE(at) ((void)(at))
 #endif
-#define PREFETCH_f16 PREFETCH_bf16
-#define PREFETCH_bf16h PREFETCH_bf16
+#define PICK(NAME, R, P) (pf ? tilepf_##NAME##_##R##_##P : tile_##NAME##_##R##_##P)
 #define TILES(NAME, LO, HI) \
     TILE2(6, 1, NAME, LO, HI) TILE2(5, 1, NAME, LO, HI) TILE2(4, 1, NAME, LO, HI) TILE2(3, 2, NAME, LO, HI) \
-    TILE2(3, 1, NAME, LO, HI) TILE(2, 3, NAME, LO, HI) TILE(2, 2, NAME, LO, HI) TILE(2, 1, NAME, LO, HI) \
-    TILE(1, 6, NAME, LO, HI) TILE(1, 5, NAME, LO, HI) TILE(1, 4, NAME, LO, HI) TILE(1, 3, NAME, LO, HI) \
-    TILE(1, 2, NAME, LO, HI) TILE(1, 1, NAME, LO, HI)                                                 \
+    TILE2(3, 1, NAME, LO, HI) TILE2(2, 3, NAME, LO, HI) TILE2(2, 2, NAME, LO, HI) TILE2(2, 1, NAME, LO, HI) \
+    TILE2(1, 6, NAME, LO, HI) TILE2(1, 5, NAME, LO, HI) TILE2(1, 4, NAME, LO, HI) TILE2(1, 3, NAME, LO, HI) \
+    TILE2(1, 2, NAME, LO, HI) TILE2(1, 1, NAME, LO, HI)                                                 \
 static tile_fn pick_##NAME(int R, int P, int pf) {                                                  \
     switch (R) {                                                                                     \
-    case 6: return pf ? tilepf_##NAME##_6_1 : tile_##NAME##_6_1;                                     \
-    case 5: return pf ? tilepf_##NAME##_5_1 : tile_##NAME##_5_1;                                     \
-    case 4: return pf ? tilepf_##NAME##_4_1 : tile_##NAME##_4_1;                                     \
-    case 3: return P >= 2 ? (pf ? tilepf_##NAME##_3_2 : tile_##NAME##_3_2)                          \
-                          : (pf ? tilepf_##NAME##_3_1 : tile_##NAME##_3_1);                          \
-    case 2: return P >= 3 ? tile_##NAME##_2_3 : P == 2 ? tile_##NAME##_2_2 : tile_##NAME##_2_1;      \
-    default: return P >= 6 ? tile_##NAME##_1_6 : P == 5 ? tile_##NAME##_1_5 : P == 4 ? tile_##NAME##_1_4 \
-                   : P == 3 ? tile_##NAME##_1_3 : P == 2 ? tile_##NAME##_1_2 : tile_##NAME##_1_1;       \
+    case 6: return PICK(NAME, 6, 1);                                                                 \
+    case 5: return PICK(NAME, 5, 1);                                                                 \
+    case 4: return PICK(NAME, 4, 1);                                                                 \
+    case 3: return P >= 2 ? PICK(NAME, 3, 2) : PICK(NAME, 3, 1);                                     \
+    case 2: return P >= 3 ? PICK(NAME, 2, 3) : P == 2 ? PICK(NAME, 2, 2) : PICK(NAME, 2, 1);         \
+    default: return P >= 6 ? PICK(NAME, 1, 6) : P == 5 ? PICK(NAME, 1, 5) : P == 4 ? PICK(NAME, 1, 4)   \
+                   : P == 3 ? PICK(NAME, 1, 3) : P == 2 ? PICK(NAME, 1, 2) : PICK(NAME, 1, 1);          \
     }                                                                                                \
 }
-typedef void (*tile_fn)(const float*, long, const void*, long, float*, long);
+typedef void (*tile_fn)(const float*, long, const void*, long, float*, const char*, long);
 TILES(f32, LOAD_F32, LOAD_F32_HI)
 TILES(bf16, LOAD_BF16, LOAD_BF16_HI)
 TILES(bf16h, LOAD_BF16H, LOAD_BF16H_HI)
@@ -492,29 +490,50 @@ static tile_fn pick_tile(int R, int P, int dtype, int pf, int layout) {
     return dtype == BF16 ? pick_bf16(R, P, pf) : dtype == F16 ? pick_f16(R, P, pf) : pick_f32(R, P, pf);
 }
 
+/* float32 weights: row blocks of 6, 4 rows as 2 + 2 and 5 as 3 + 2, 3-row tiles two panels wide.
+   Two-byte weights, whose widening costs more than their bytes: blocks of 6 and the rest in one block
+   (4 and 5 rows one pass: 0.6-0.7x the time of 2 + 2 and 3 + 2 on a Zen 3), tiles of 3-6 rows one
+   panel wide, so the chains and weights fit the 16 registers, and a 2-row rest two panels wide (7 and
+   8 rows 0.83-0.89x the time of 4 + 3 and 4 + 4 there). */
+#ifndef GROUP_BYTES
+#define GROUP_BYTES 262144
+#endif
+static int block_rows(long M, long m, int wide_weights) {
+    long left = M - m;
+    return left >= 6 ? 6 : !wide_weights ? (int)left : left == 4 ? 2 : left == 5 ? 3 : (int)left;
+}
+static int tile_panels(int R, long M, int wide_weights) {
+    return R >= 4 ? 1 : R == 3 ? (wide_weights ? 2 : 1) : R == 2 ? (wide_weights || M == 2 ? 3 : 2) : 6;
+}
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
                           long p0, long p1, int layout) {
     float acc[6 * 6 * NR];
     long pstride = K * NR;
     size_t wsize = esize(o->dtype);
-    int wide_weights = o->dtype == F32; /* four bytes a weight: the row blocks below differ */
-    /* Panels outer, rows inner: a group of panels stays in L2 while every row block uses it, and the
-       first row block asks for the next group's weights meanwhile. */
+    int wide_weights = o->dtype == F32; /* four bytes a weight: the row blocks differ */
+    /* Panels outer, rows inner: a group of panels stays in L2 while every row block uses it. With more
+       than two rows every tile asks for an equal share of the next group's weights as it works, so
+       the stream from memory runs beside all of the group's work, not only its first row block's. */
+    long most = M > 2 ? GROUP_BYTES / (pstride * (long)wsize) : 6;
+    if (most > 6) most = 6;
+    if (most < 1) most = 1;
     for (long p = p0; p < p1;) {
-        int group = (int)(p1 - p < 6 ? p1 - p : 6);
-        long ahead = M > 2 && p + group < p1 ? group * pstride : 0;
+        int group = (int)(p1 - p < most ? p1 - p : most);
+        long next = M > 2 ? (p1 - p - group < most ? p1 - p - group : most) : 0;
+        const char* pf = (const char*)wp + (next ? p + group : p) * pstride * wsize;
+        long lines = (next * pstride * (long)wsize + 63) / 64, calls = 0, call = 0;
+        for (long m = 0; m < M && lines; m += block_rows(M, m, wide_weights)) {
+            long P = tile_panels(block_rows(M, m, wide_weights), M, wide_weights);
+            calls += (group + P - 1) / P;
+        }
         for (long m = 0; m < M;) {
-            /* float32 weights: blocks of 6, 4 rows as 2 + 2 and 5 as 3 + 2, 3-row tiles two panels wide.
-               Two-byte weights, whose widening costs more than their bytes: blocks of 6 and the rest in
-               one block (4 and 5 rows one pass: 0.6-0.7x the time of 2 + 2 and 3 + 2 on a Zen 3), tiles
-               of 3-6 rows one panel wide, so the chains and weights fit the 16 registers, and a 2-row
-               rest two panels wide (7 and 8 rows 0.83-0.89x the time of 4 + 3 and 4 + 4 there). */
-            int R = M - m >= 6 ? 6 : !wide_weights ? (int)(M - m) : M - m == 4 ? 2 : M - m == 5 ? 3 : (int)(M - m);
-            for (long q = p; q < p + group;) {
-                int P = R >= 4 ? 1 : R == 3 ? (wide_weights ? 2 : 1) : R == 2 ? (wide_weights || M == 2 ? 3 : 2) : 6;
+            int R = block_rows(M, m, wide_weights);
+            for (long q = p; q < p + group; call++) {
+                int P = tile_panels(R, M, wide_weights);
                 if (P > p + group - q) P = (int)(p + group - q);
-                pick_tile(R, P, o->dtype, m == 0 && ahead, layout)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
-                                                           pstride, acc, ahead);
+                long from = calls ? lines * call / calls : 0, to = calls ? lines * (call + 1) / calls : 0;
+                pick_tile(R, P, o->dtype, lines > 0, layout)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
+                                                            pstride, acc, pf + from * 64, to - from);
                 finish_tile(o, acc, 6 * NR, m, R, q * NR, P * NR);
                 q += P;
             }
