@@ -220,6 +220,58 @@ def test_a_float_model_quantized_at_load_runs_exactly(quantize, model_dirs):
     assert tree.token_ids == plain.token_ids
 
 
+def test_a_float_target_drafted_by_its_own_quantized_copy_is_exact(model_dirs):
+    """DraftModel(target's folder, quantize=...): the float model's quantized copy drafts for it; the output is
+    the float model's own, and the copy agrees with it often enough to matter."""
+    from specdec.drafters.draft_model import DraftModel
+
+    target = load_target(model_dirs["llama"], backend="native")
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61], [3] * 12]
+    plain = generate(target, prompts, max_new_tokens=24)
+    drafter = DraftModel(model_dirs["llama"], quantize="q8_0")
+    assert drafter.backend.quantized_types == ("Q8_0",)
+    spec = generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.drafts_accepted > 0.5 * spec.stats.drafts_proposed
+    tree = generate(target, prompts, drafter=drafter, max_new_tokens=24, tree=TreeConfig(depth=3, topk=2, num_nodes=6))
+    assert tree.token_ids == plain.token_ids
+
+
+def test_a_gguf_file_drafts_for_its_float_model(quantized_file, wide_model):
+    from specdec.drafters.draft_model import DraftModel
+
+    target = load_target(wide_model, backend="native")
+    drafter = DraftModel(quantized_file)                     # the file itself, its tensors quantized as stored
+    assert drafter.backend.quantized_types
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61]]
+    plain = generate(target, prompts, max_new_tokens=20).token_ids
+    assert generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20).token_ids == plain
+
+
+def test_draft_quantize_on_the_command_line(model_dirs, capsys):
+    import json
+
+    from specdec.commands.cli import main
+
+    base = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "x = 1\nx = 1\n", "--backend", "native",
+            "--max-new-tokens", "12", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", str(model_dirs["llama"]), "--speculative-draft-model-quantization", "q4_0",
+                        "--drafter", "draft-model", "-k", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["stats"]["drafter"] == "draft-model" and spec["stats"]["drafts_accepted"] > 0
+    assert spec["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]
+    with pytest.raises(SystemExit) as refused:
+        main(base + ["--draft", str(model_dirs["llama"]), "--draft-quantize", "q5_k"])
+    assert refused.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    on_hf = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "x = 1", "--backend", "hf", "--draft",
+             str(model_dirs["llama"]), "--draft-quantize", "q8_0", "--drafter", "draft-model"]
+    assert main(on_hf) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "native backend" in err[0]
+
+
 def test_quantize_is_refused_where_it_cannot_run(model_dirs):
     from specdec.errors import InvalidArgumentError, UnsupportedModelError
 

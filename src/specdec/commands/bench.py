@@ -229,8 +229,8 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
             for k in ks:
                 methods.append(specdec_method(engine, PROMPT_LOOKUP, lookup, k, max_new_tokens, batch_size, tag))
             if engine.draft is not None:
-                methods += [specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size, tag)
-                            for k in draft_ks]
+                methods += [specdec_method(engine, DRAFT_MODEL, engine.draft, k, max_new_tokens, batch_size, tag,
+                                           note=draft_note(engine.draft)) for k in draft_ks]
                 # up to the largest k, as many drafts per step as each policy chooses
                 methods += policy_methods(engine, DRAFT_MODEL, engine.draft, max(draft_ks or ks), policies,
                                           max_new_tokens, batch_size, tag)
@@ -240,7 +240,7 @@ def build_methods(engines: list[Engine], ks: list[int], max_new_tokens: int, bat
                                               tree))
             if engine.draft is not None:
                 methods += [specdec_method(engine, DRAFT_MODEL, engine.draft, None, max_new_tokens, batch_size, tag,
-                                           tree) for tree in draft_trees]
+                                           tree, note=draft_note(engine.draft)) for tree in draft_trees]
             methods += drafter_methods(engine, ks, trees, max_new_tokens, batch_size, tag, block_sizes, policies,
                                        recorded)
     if reference is not None:
@@ -299,6 +299,12 @@ def self_note(drafter, target) -> str:
     if hasattr(drafter, "exit_for"):
         return f"E={drafter.exit_for(target)}" + ("" if drafter.reuse_kv else " recompute")
     return f"depth={drafter.depth}" if drafter.depth else ""
+
+
+def draft_note(drafter) -> str:
+    """A draft model's quantized weight types, when it runs quantized (a GGUF file, or --draft-quantize)."""
+    kinds = getattr(drafter.backend, "quantized_types", ())
+    return f"({'+'.join(kinds)})" if kinds else ""
 
 
 def block_ks(drafter, block_sizes) -> list[int]:
@@ -787,7 +793,8 @@ def run_bench_command(args) -> int:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
-        entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else [])
+        # A draft model quantized at load is not what its folder holds: nothing is recorded there for it.
+        entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft and not args.draft_quantize else [])
         measured_on = (f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
                        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}")
         for name, folder in entries:
@@ -807,7 +814,9 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     best = max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
     if best is None:
         return None
-    path = Path(folder) / "config.json"
+    from specdec.backends.target import resolve_model
+
+    path = Path(resolve_model(folder)) / "config.json"  # a real model's name or a GGUF file: its folder
     config = json.loads(path.read_text())
     choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
               "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,

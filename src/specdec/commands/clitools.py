@@ -46,6 +46,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
     parser.add_argument("--quantize", choices=("q8_0", "q4_0", "q4_1"), default=None,
                         help="block-quantize the target's matrices at load and run them with int8 activations "
                              "(native backend; a GGUF file's quantized tensors run as they are without it)")
+    parser.add_argument("--draft-quantize", "--speculative-draft-model-quantization", dest="draft_quantize",
+                        choices=("q8_0", "q4_0", "q4_1"), default=None,
+                        help="draft-model: block-quantize the draft model at load (native backend); with --draft "
+                             "naming the target itself, the target's quantized copy drafts for it")
     if several_backends:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
                             help="forward pass(es) to measure: native (specdec's own, Llama family), hf "

@@ -20,21 +20,26 @@ from specdec.sampling import probabilities, sample
 from specdec.drafters.base import (DecodeContext, Proposal, draft_from, over_vocabulary, read_draft_vocabulary,
                                    recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
-from specdec.backends.target import Target, load_backend
+from specdec.backends.target import Target, load_backend, resolve_model
 
 
 class DraftModel:
     name = "draft-model"
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool = True):
-        """``model``: a model directory, a transformers model already loaded (runs on "hf"), or a
-        ``Target``, which then drafts on its own backend (self-draft; ``target.model`` is None on native).
+                 device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool = True,
+                 quantize: str | None = None):
+        """``model``: a model directory (a GGUF file, or a real model's name, as ``load_target`` takes),
+        a transformers model already loaded (runs on "hf"), or a ``Target``, which then drafts on its own
+        backend (self-draft; ``target.model`` is None on native).
 
         ``backend`` as for ``load_target``: "native", "hf" or "auto" (native where supported);
-        ``dtype``, ``device`` and ``backend`` apply to directories only. ``draft_vocab``: a directory's
-        draft_vocab.json (``specdec train draft-vocab``) restricts the drafts to its tokens, and the native
-        backend then computes only those rows of the model's head.
+        ``dtype``, ``device``, ``backend`` and ``quantize`` apply to directories only. ``quantize``
+        ("q8_0", "q4_0", "q4_1"): block-quantize the model's matrices at load, so a float model drafts
+        for itself at the cost of its quantized pass (the target's outputs stay its own: the drafts
+        are only proposals). ``draft_vocab``: a directory's draft_vocab.json (``specdec train
+        draft-vocab``) restricts the drafts to its tokens, and the native backend then computes only
+        those rows of the model's head.
         """
         self.vocabulary, self.head = None, None
         if isinstance(model, Target):
@@ -44,7 +49,11 @@ class DraftModel:
             self.model, self.tokenizer, self.path = model.eval(), None, None
             self.backend = hf.HFBackend.for_model(self.model)
         elif isinstance(model, (str, os.PathLike)):
-            self.backend, self.model = load_backend(model, dtype, device, backend)
+            if quantize is not None and backend == "hf":
+                raise InvalidArgumentError(f"a draft model quantized at load ({quantize}) runs on the native "
+                                           f"backend, not on transformers")
+            model = resolve_model(model)
+            self.backend, self.model = load_backend(model, dtype, device, backend, quantize=quantize)
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
             self.default_draft_tokens, self.default_tree = recorded_defaults(self.path)  # bench --record's fastest

@@ -37,7 +37,8 @@ def _draft_model(folder, options):
     from specdec.backends.target import parse_dtype
     from specdec.drafters.draft_model import DraftModel
     return DraftModel(folder, dtype=parse_dtype(getattr(options, "dtype", "float32")),
-                      backend=getattr(options, "backend", None) or "auto")
+                      backend=getattr(options, "backend", None) or "auto",
+                      quantize=getattr(options, "draft_quantize", None))
 
 
 def _prompt_lookup(folder, options):
