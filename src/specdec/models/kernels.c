@@ -490,22 +490,27 @@ static tile_fn pick_tile(int R, int P, int dtype, int pf, int layout) {
     return dtype == BF16 ? pick_bf16(R, P, pf) : dtype == F16 ? pick_f16(R, P, pf) : pick_f32(R, P, pf);
 }
 
-/* float32 weights: row blocks of 6, 3-row tiles two panels wide; 4 rows alone as 2 + 2 and 5 as 3 + 2
-   (their one pass streams the weights from memory), but after blocks of 6 the rest in one block (it
-   reads them from L2: 10, 11, 16 and 17 rows 0.88, 0.79, 0.87 and 0.79x the time of 6 + 2 + 2, ...,
-   6 + 6 + 3 + 2 on a Zen 3). Two-byte weights, whose widening costs more than their bytes: blocks of 6
-   and the rest in one block (4 and 5 rows one pass: 0.6-0.7x the time of 2 + 2 and 3 + 2 there), tiles
-   of 3-6 rows one panel wide, so the chains and weights fit the 16 registers, and a 2-row rest two
-   panels wide (7 and 8 rows 0.83-0.89x the time of 4 + 3 and 4 + 4 there). */
+/* Rows: more than 6 go in ceil(M / 6) blocks of even size (they read the weights from L2, so every
+   block pays in multiply-adds only: float32 products of 9, 11, 15 and 17 rows 0.79-0.87x the time of
+   blocks of 6 and a rest; bfloat16 0.93-1.0x; on a Zen 3). Up to 6 rows: float32 as 2 + 2 for 4 and
+   3 + 2 for 5 (one pass streams the weights from memory), 3-row tiles two panels wide; two-byte
+   weights, whose widening costs more than their bytes, in one block (4 and 5 rows 0.6-0.7x the time of
+   2 + 2 and 3 + 2 there). Tiles of 3-6 rows are one panel wide otherwise, so the chains and weights
+   fit the 16 registers, and 2-row tiles two or three. */
 #ifndef GROUP_BYTES
 #define GROUP_BYTES 262144
 #endif
 static int block_rows(long M, long m, int wide_weights) {
+    if (M > 6) {
+        long blocks = (M + 5) / 6, b = 0;
+        while (M * (b + 1) / blocks <= m) b++;
+        return (int)(M * (b + 1) / blocks - m);
+    }
     long left = M - m;
-    return left >= 6 ? 6 : !wide_weights || M > 6 ? (int)left : left == 4 ? 2 : left == 5 ? 3 : (int)left;
+    return !wide_weights ? (int)left : left == 4 ? 2 : left == 5 ? 3 : (int)left;
 }
 static int tile_panels(int R, long M, int wide_weights) {
-    return R >= 4 ? 1 : R == 3 ? (wide_weights ? 2 : 1) : R == 2 ? (wide_weights || M == 2 ? 3 : 2) : 6;
+    return R >= 4 ? 1 : R == 3 ? (wide_weights && M <= 6 ? 2 : 1) : R == 2 ? (wide_weights || M == 2 ? 3 : 2) : 6;
 }
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
                           long p0, long p1, int layout) {
