@@ -341,3 +341,23 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 specdec demo > $OUT/demo-zen3-s18.txt 2>&1   # after the answers and the 4/5-row tiles; again at the end: demo-zen3-s18-final.txt
 specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompts 8 --max-new-tokens 128 -k 2 3 4 \
   --drafters retrieval=$S --no-transformers --threads 2 --output $OUT/retrieval-q4_1-zen3-s18.json
+
+# ---- nineteenth session: the same Zen 3 model (AMD EPYC family 25 model 1); the shipped Q4_1 file as draft model of
+# its float model, float32 row blocks and next-group prefetch ----
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 1 --output $OUT/cost-curves-zen3-s19.json  # before the row blocks
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --tasks sharegpt humaneval --num-prompts 8 \
+  --max-new-tokens 128 -k 4 6 8 10 --no-transformers --threads 2 --output $OUT/qdraft-float32-zen3-s19.json
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 \
+  --max-new-tokens 128 -k 3 4 6 --drafters retrieval --no-transformers --threads 2 --output $OUT/qdraft-bfloat16-zen3-s19.json
+for q in q4_0 q4_1; do   # the float folder quantized again at load, instead of the file's own blocks
+  specdec bench --target smollm2-135m --draft smollm2-135m --draft-quantize $q --dtype float32 --tasks sharegpt humaneval \
+    --num-prompts 4 --max-new-tokens 96 -k 6 8 --no-transformers --threads 2
+done
+# S18.c: kernels.c of the eighteenth session's last commit (git show b72ef96:src/specdec/models/kernels.c)
+python docs/measurements/products_variants.py 2 float32 1,2,3,4,5,6,7,8,9,12,16,17 S18.c src/specdec/models/kernels.c
+for d in float32 bfloat16; do
+  python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))") \
+    S18.c src/specdec/models/kernels.c 21 1,2,4,5,7,8,9,12,16,17 $d > $OUT/forward-ab-rows-$d-zen3-s19.txt
+done
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-s19-after.json
