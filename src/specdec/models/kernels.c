@@ -497,6 +497,7 @@ static tile_fn pick_tile(int R, int P, int dtype, int pf, int layout) {
    weights, whose widening costs more than their bytes, in one block (4 and 5 rows 0.6-0.7x the time of
    2 + 2 and 3 + 2 there). Tiles of 3-6 rows are one panel wide otherwise, so the chains and weights
    fit the 16 registers, and 2-row tiles two or three. */
+#define STREAM_AHEAD 16384 /* bytes */
 #ifndef GROUP_BYTES
 #define GROUP_BYTES 262144
 #endif
@@ -529,6 +530,15 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
         long next = M > 2 ? (p1 - p - group < most ? p1 - p - group : most) : 0;
         const char* pf = (const char*)wp + (next ? p + group : p) * pstride * wsize;
         long lines = (next * pstride * (long)wsize + 63) / 64, calls = 0, call = 0;
+        if (!wide_weights && M > 2 && block_rows(M, 0, wide_weights) == M) {
+            /* Two-byte weights in one row block read every weight once: ask for the weights a fixed
+               distance ahead of where the tiles read instead (3-6 bfloat16 rows 0.89-0.97x the time on a
+               Zen 3; float32 within the spread, so it keeps the next group). */
+            long at = p * pstride * (long)wsize + STREAM_AHEAD, end = p1 * pstride * (long)wsize;
+            long span = group * pstride * (long)wsize;
+            pf = (const char*)wp + (at < end ? at : 0);
+            lines = at < end ? ((end - at < span ? end - at : span) + 63) / 64 : 0;
+        }
         for (long m = 0; m < M && lines; m += block_rows(M, m, wide_weights)) {
             long P = tile_panels(block_rows(M, m, wide_weights), M, wide_weights);
             calls += (group + P - 1) / P;
