@@ -362,3 +362,10 @@ for d in float32 bfloat16; do
 done
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-s19-after.json
 specdec demo > $OUT/demo-zen3-s19.txt 2>&1   # with the Q4_1 file as draft model
+# A.c: kernels.c before the 16 KiB stream-ahead (git show fa0d4b7:src/specdec/models/kernels.c)
+python docs/measurements/forward_ab_sources.py 2 $(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))") \
+  A.c src/specdec/models/kernels.c 21 1,2,3,4,5,6 bfloat16 > $OUT/forward-ab-ahead-bfloat16-zen3-s19.txt
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 8 \
+  --max-new-tokens 128 -k 2 3 4 5 --drafters retrieval --no-transformers --threads 2 --output $OUT/final-bfloat16-zen3-s19.json
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --tasks sharegpt humaneval --num-prompts 4 \
+  --max-new-tokens 128 -k 6 8 --temperature 0.7 --no-transformers --threads 2 --output $OUT/qdraft-t07-float32-zen3-s19.json
