@@ -265,6 +265,13 @@ def test_draft_quantize_on_the_command_line(model_dirs, capsys):
     with pytest.raises(SystemExit) as refused:
         main(base + ["--draft", str(model_dirs["llama"]), "--draft-quantize", "q5_k"])
     assert refused.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    for lone in (["--draft-quantize", "q8_0"], ["--draft-quantize", "q8_0", "--draft", str(model_dirs["llama"])]):
+        assert main(base + lone) == 2  # nothing to quantize: no draft model drafts (the default drafter is none)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--drafter draft-model and --draft" in err[0]
+    assert main(["bench", "--target", str(model_dirs["llama"]), "--tasks", "code-completion", "--draft-quantize",
+                 "q4_1"]) == 2                                 # bench's draft model is --draft: none given
+    assert "--draft DIR" in capsys.readouterr().err
     on_hf = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "x = 1", "--backend", "hf", "--draft",
              str(model_dirs["llama"]), "--draft-quantize", "q8_0", "--drafter", "draft-model"]
     assert main(on_hf) == 2

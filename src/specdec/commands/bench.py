@@ -749,10 +749,11 @@ def load_bench_prompts(args) -> list:
 
 
 def run_bench_command(args) -> int:
-    from specdec.commands.clitools import check_output_path, make_drafter, write_atomic
+    from specdec.commands.clitools import check_draft_quantize, check_output_path, make_drafter, write_atomic
     from specdec.backends.target import load_target
 
     check_output_path(args.output)
+    check_draft_quantize(args, "draft-model")
 
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")

@@ -127,6 +127,12 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
+def check_draft_quantize(args, drafter: str) -> None:
+    """--draft-quantize quantizes a draft model: without one to quantize it would be ignored, so refuse."""
+    if getattr(args, "draft_quantize", None) and (drafter != "draft-model" or not getattr(args, "draft", None)):
+        raise InvalidArgumentError("--draft-quantize quantizes a draft model: give --drafter draft-model and --draft DIR")
+
+
 def make_drafter(name: str, args, backend: str | None = None, folder=None):
     """The drafter named on the command line (the registry's name or an alias), loaded."""
     import copy

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.commands.clitools import (add_model_arguments, add_tree_arguments, drafter_name, policy_text,
-                                       tree_config)
+from specdec.commands.clitools import (add_model_arguments, add_tree_arguments, check_draft_quantize, drafter_name,
+                                       policy_text, tree_config)
 from specdec.errors import InvalidArgumentError
 
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -105,6 +105,7 @@ def resolve_models(args) -> None:
             args.draft = str(zoo_path(entry.zoo))
     if entry.folder and not args.draft:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR")
+    check_draft_quantize(args, entry.name)
     for name in ("max_batch_size", "max_queue", "max_kv_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
