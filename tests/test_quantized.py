@@ -235,6 +235,10 @@ def test_a_float_target_drafted_by_its_own_quantized_copy_is_exact(model_dirs):
     assert spec.stats.drafts_accepted > 0.5 * spec.stats.drafts_proposed
     tree = generate(target, prompts, drafter=drafter, max_new_tokens=24, tree=TreeConfig(depth=3, topk=2, num_nodes=6))
     assert tree.token_ids == plain.token_ids
+    from specdec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="already loaded"):
+        DraftModel(target, quantize="q8_0")                   # a loaded model is not quantized again
 
 
 def test_a_gguf_file_drafts_for_its_float_model(quantized_file, wide_model):

@@ -42,6 +42,9 @@ class DraftModel:
         those rows of the model's head.
         """
         self.vocabulary, self.head = None, None
+        if quantize is not None and not isinstance(model, (str, os.PathLike)):
+            raise InvalidArgumentError(f"quantize={quantize!r} quantizes a model loaded from a directory or file, "
+                                       f"not a {type(model).__name__} already loaded")
         if isinstance(model, Target):
             self.backend, self.model, self.tokenizer = model.backend, model.model, model.tokenizer
             self.path = model.path
