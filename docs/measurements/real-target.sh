@@ -369,3 +369,5 @@ specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype bfloat16 -
   --max-new-tokens 128 -k 2 3 4 5 --drafters retrieval --no-transformers --threads 2 --output $OUT/final-bfloat16-zen3-s19.json
 specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --tasks sharegpt humaneval --num-prompts 4 \
   --max-new-tokens 128 -k 6 8 --temperature 0.7 --no-transformers --threads 2 --output $OUT/qdraft-t07-float32-zen3-s19.json
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --tasks sharegpt humaneval --num-prompts 4 \
+  --max-new-tokens 96 -k 4 6 8 --no-transformers --threads 1 --output $OUT/qdraft-float32-1thread-zen3-s19.json
