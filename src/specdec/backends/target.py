@@ -194,7 +194,7 @@ def load_backend(path: str | os.PathLike, dtype: torch.dtype, device, backend: s
     path = resolve_model(path)
     hf.check_model_dir(path)
     if quantize is not None and backend == "hf":
-        raise InvalidArgumentError(f"--quantize {quantize} runs on the native backend, not on transformers")
+        raise InvalidArgumentError(f"quantizing at load ({quantize}) runs on the native backend, not on transformers")
     if backend != "hf":
         from specdec.backends.native import NativeBackend
         reason = NativeBackend.supports(path) or NativeBackend.supports_run(dtype, device)

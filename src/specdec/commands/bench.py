@@ -560,8 +560,12 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     k = method.k_sum / method.tau_steps  # drafts actually proposed per step
     n = min(target, key=lambda size: abs(size - (k + 1)))
     verify = target[n] + (target[n] - target[1]) * ((k + 1 - n) / max(n - 1, 1))
-    draft = k * costs.get("draft_models", {}).get(id(method.drafter), costs.get("draft", 0.0)) \
-        if method.family == DRAFT_MODEL else 0.0
+    draft = 0.0
+    if method.family == DRAFT_MODEL:
+        draft_pass = costs.get("draft_models", {}).get(id(method.drafter))
+        if draft_pass is None:
+            return None
+        draft = k * draft_pass
     return method.tau / (draft + verify)
 
 

@@ -52,9 +52,6 @@ class DraftModel:
             self.model, self.tokenizer, self.path = model.eval(), None, None
             self.backend = hf.HFBackend.for_model(self.model)
         elif isinstance(model, (str, os.PathLike)):
-            if quantize is not None and backend == "hf":
-                raise InvalidArgumentError(f"a draft model quantized at load ({quantize}) runs on the native "
-                                           f"backend, not on transformers")
             model = resolve_model(model)
             self.backend, self.model = load_backend(model, dtype, device, backend, quantize=quantize)
             self.tokenizer = hf.load_tokenizer(model)

@@ -497,10 +497,8 @@ static tile_fn pick_tile(int R, int P, int dtype, int pf, int layout) {
    weights, whose widening costs more than their bytes, in one block (4 and 5 rows 0.6-0.7x the time of
    2 + 2 and 3 + 2 there). Tiles of 3-6 rows are one panel wide otherwise, so the chains and weights
    fit the 16 registers, and 2-row tiles two or three. */
-#define STREAM_AHEAD 16384 /* bytes */
-#ifndef GROUP_BYTES
-#define GROUP_BYTES 262144
-#endif
+#define STREAM_AHEAD 16384  /* bytes: how far ahead a single row block of two-byte weights asks for them */
+#define GROUP_BYTES 262144  /* the most weight bytes of a group of panels that row blocks share from L2 */
 static int block_rows(long M, long m, int wide_weights) {
     if (M > 6) {
         long blocks = (M + 5) / 6, b = 0;
@@ -516,26 +514,24 @@ static int tile_panels(int R, long M, int wide_weights) {
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xf,
                           long p0, long p1, int layout) {
     float acc[6 * 6 * NR];
-    long pstride = K * NR;
-    size_t wsize = esize(o->dtype);
+    long pstride = K * NR, pbytes = pstride * (long)esize(o->dtype);  /* a panel's elements and bytes */
     int wide_weights = o->dtype == F32; /* four bytes a weight: the row blocks differ */
     /* Panels outer, rows inner: a group of panels stays in L2 while every row block uses it. With more
        than two rows every tile asks for an equal share of the next group's weights as it works, so
        the stream from memory runs beside all of the group's work, not only its first row block's. */
-    long most = M > 2 ? GROUP_BYTES / (pstride * (long)wsize) : 6;
+    long most = M > 2 ? GROUP_BYTES / pbytes : 6;
     if (most > 6) most = 6;
     if (most < 1) most = 1;
     for (long p = p0; p < p1;) {
         int group = (int)(p1 - p < most ? p1 - p : most);
         long next = M > 2 ? (p1 - p - group < most ? p1 - p - group : most) : 0;
-        const char* pf = (const char*)wp + (next ? p + group : p) * pstride * wsize;
-        long lines = (next * pstride * (long)wsize + 63) / 64, calls = 0, call = 0;
+        const char* pf = (const char*)wp + (next ? p + group : p) * pbytes;
+        long lines = (next * pbytes + 63) / 64, calls = 0, call = 0;
         if (!wide_weights && M > 2 && block_rows(M, 0, wide_weights) == M) {
             /* Two-byte weights in one row block read every weight once: ask for the weights a fixed
                distance ahead of where the tiles read instead (3-6 bfloat16 rows 0.89-0.97x the time on a
                Zen 3; float32 within the spread, so it keeps the next group). */
-            long at = p * pstride * (long)wsize + STREAM_AHEAD, end = p1 * pstride * (long)wsize;
-            long span = group * pstride * (long)wsize;
+            long at = p * pbytes + STREAM_AHEAD, end = p1 * pbytes, span = group * pbytes;
             pf = (const char*)wp + (at < end ? at : 0);
             lines = at < end ? ((end - at < span ? end - at : span) + 63) / 64 : 0;
         }
@@ -549,7 +545,7 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
                 int P = tile_panels(R, M, wide_weights);
                 if (P > p + group - q) P = (int)(p + group - q);
                 long from = calls ? lines * call / calls : 0, to = calls ? lines * (call + 1) / calls : 0;
-                pick_tile(R, P, o->dtype, lines > 0, layout)(xf + m * K, K, (const char*)wp + q * pstride * wsize,
+                pick_tile(R, P, o->dtype, lines > 0, layout)(xf + m * K, K, (const char*)wp + q * pbytes,
                                                             pstride, acc, pf + from * 64, to - from);
                 finish_tile(o, acc, 6 * NR, m, R, q * NR, P * NR);
                 q += P;
