@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 
 import specdec
 from specdec import TreeConfig
-from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.drafters import DraftModel, Lookahead, NoDraft, PromptLookup
 from specdec.sampling import SamplingConfig, probabilities, sample, warp_logits
 from specdec.verify import verify_sampling
 
@@ -150,6 +150,8 @@ def exact_two_token_distribution(model, prompt, config: SamplingConfig) -> torch
     ("lookup-tree", 1.0, 4, None),
     ("retrieval", 1.0, 5, None),
     ("retrieval-tree", 0.8, None, 0.9),
+    ("lookahead", 1.0, 5, None),
+    ("lookahead-tree", 0.9, None, 0.9),
 ])
 def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, top_p, targets, hf_models, model_dirs,
                                             backend, tmp_path):
@@ -160,7 +162,8 @@ def test_generate_samples_the_warped_target(drafter_kind, temperature, top_k, to
     exact = exact_two_token_distribution(hf_models["llama"], prompt, config)
     drafter = {"none": NoDraft(), "draft": DraftModel(model_dirs["llama-draft"], backend=backend),
                "self": DraftModel(model_dirs["llama"], backend=backend),
-               "lookup": PromptLookup(max_ngram=2)}.get(drafter_kind.removesuffix("-tree"))
+               "lookup": PromptLookup(max_ngram=2),
+               "lookahead": Lookahead(window=3, ngram=3, guesses=3)}.get(drafter_kind.removesuffix("-tree"))
     if drafter_kind.startswith("retrieval"):  # text whose n-grams meet the prompt's tail, some drafts right
         from specdec.drafters.retrieval import Retrieval, build_datastore
         texts = ["x = x + 1\nx = x + 2\n", "x = x * y\n", "y = x - 1\nx = x\n"] * 3

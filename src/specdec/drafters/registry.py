@@ -46,6 +46,12 @@ def _prompt_lookup(folder, options):
     return PromptLookup(max_ngram=getattr(options, "max_ngram", 3), min_ngram=getattr(options, "min_ngram", 1))
 
 
+def _lookahead(folder, options):
+    from specdec.drafters.lookahead import Lookahead
+    given = {field: getattr(options, f"lookahead_{field}", None) for field in ("window", "ngram", "guesses")}
+    return Lookahead(**{field: value for field, value in given.items() if value is not None})
+
+
 def _retrieval(folder, options):
     from specdec.backends.target import resolve_model
     from specdec.drafters.retrieval import Retrieval
@@ -90,6 +96,8 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
                  folder=True, zoo="draft", trees=True, build=_draft_model),
     DrafterEntry("prompt-lookup", "n-gram matches in the prompt and output", ("NGRAM",), trees=True,
                  build=_prompt_lookup),
+    DrafterEntry("lookahead", "lookahead decoding: n-grams from Jacobi iterations run inside the verification "
+                 "pass, no model", trees=True, build=_lookahead),
     DrafterEntry("retrieval", "REST: continuations of the context's tail in a datastore of text, and in the "
                  "context", folder=True, trees=True, build=_retrieval),
     DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
