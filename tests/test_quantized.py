@@ -252,6 +252,32 @@ def test_a_gguf_file_drafts_for_its_float_model(quantized_file, wide_model):
     assert generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20).token_ids == plain
 
 
+def test_a_quantized_draft_model_drafts_over_a_draft_vocabulary(quantized_file, wide_model, tmp_path):
+    """A draft vocabulary keeps a quantized draft model's head quantized: Q8_0 blocks of its rows, which for
+    a Q8_0 head are its own blocks, so the kept rows' logits are the whole head's bit for bit."""
+    import json
+
+    from specdec.drafters.draft_model import DraftModel
+    from specdec.errors import DrafterMismatchError
+
+    target = load_target(wide_model, backend="native")
+    ids = list(range(0, target.vocab_size, 3))
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": ids}))
+    whole, drafter = DraftModel(quantized_file), DraftModel(quantized_file, draft_vocab=tmp_path / "draft_vocab.json")
+    assert drafter.vocabulary.tolist() == ids and whole.vocabulary is None
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61]]
+    plain = generate(target, prompts, max_new_tokens=20).token_ids
+    assert generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20).token_ids == plain
+    assert isinstance(drafter.head, QMatrix) and drafter.head.qtype == "Q8_0" and drafter.head.cols == len(ids)
+    if whole.backend.model.head.qtype == "Q8_0":
+        states = torch.randn(3, int(whole.backend.config.hidden_size))
+        full = kernels.linear(states, whole.backend.model.head, norm_eps=whole.backend.model.eps)
+        kept = kernels.linear(states, drafter.head, norm_eps=whole.backend.model.eps)
+        assert torch.equal(kept, full[:, ids])
+    with pytest.raises(DrafterMismatchError, match="no draft vocabulary"):
+        DraftModel(quantized_file, draft_vocab=tmp_path / "missing.json")
+
+
 def test_draft_quantize_on_the_command_line(model_dirs, capsys):
     import json
 

@@ -387,3 +387,7 @@ for s in "2 3 2" "3 3 3" "2 4 2" "4 4 4" "6 3 6"; do set -- $s   # the first swe
 done
 python docs/measurements/lookahead_ablation.py 2 3 2; python docs/measurements/lookahead_ablation.py 4 4 4
 specdec demo > $OUT/demo-zen3-s20.txt 2>&1   # with lookahead beside the others
+# the Q4_1 file drafting over draft vocabularies of 24576 / 16384 / 8192 rows (the first two written by
+# `specdec train draft-vocab --drafter DIR --target smollm2-135m --size N` into copies of its folder)
+python docs/measurements/draft_vocab_ab.py bfloat16 4 8 /tmp/qv24576/draft_vocab.json /tmp/qv16384/draft_vocab.json \
+  src/specdec/zoo/data/smollm2-135m/draft/draft_vocab.json > $OUT/qdraft-vocab-bf16-zen3-s20.txt

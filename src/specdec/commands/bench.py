@@ -303,9 +303,12 @@ def self_note(drafter, target) -> str:
 
 
 def draft_note(drafter) -> str:
-    """A draft model's quantized weight types, when it runs quantized (a GGUF file, or --draft-quantize)."""
-    kinds = getattr(drafter.backend, "quantized_types", ())
-    return f"({'+'.join(kinds)})" if kinds else ""
+    """A draft model's quantized weight types, when it runs quantized (a GGUF file, or --draft-quantize), and
+    the size of its draft vocabulary, when it has one."""
+    kinds = "+".join(getattr(drafter.backend, "quantized_types", ()))
+    vocabulary = getattr(drafter, "vocabulary", None)
+    parts = [kinds] + ([f"vocab {vocabulary.numel()}"] if vocabulary is not None else [])
+    return f"({', '.join(filter(None, parts))})" if any(parts) else ""
 
 
 def block_ks(drafter, block_sizes) -> list[int]:

@@ -182,16 +182,19 @@ def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a drafter that reads the target's head: the rows it drafts from
 
 
-def read_draft_vocabulary(folder: str, vocab: int) -> torch.Tensor | None:
+def read_draft_vocabulary(folder: str, vocab: int, required: bool = False) -> torch.Tensor | None:
     """The target ids a drafter folder restricts its drafts to (``specdec train draft-vocab``), sorted; None
-    when it keeps the whole vocabulary. A damaged file is one line (DrafterMismatchError)."""
+    when it keeps the whole vocabulary. ``folder`` may name the file itself; ``required``: a missing file is
+    an error too. A damaged or missing file is one line (DrafterMismatchError)."""
     import json
     import os
 
     from specdec.errors import DrafterMismatchError
 
-    path = os.path.join(folder, DRAFT_VOCAB_FILE)
+    path = folder if os.path.isfile(folder) else os.path.join(folder, DRAFT_VOCAB_FILE)
     if not os.path.exists(path):
+        if required:
+            raise DrafterMismatchError(f"{path}: no draft vocabulary there (specdec train draft-vocab writes one)")
         return None
     try:
         with open(path, encoding="utf-8") as handle:

@@ -27,7 +27,7 @@ class DraftModel:
     name = "draft-model"
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool = True,
+                 device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool | str | os.PathLike = True,
                  quantize: str | None = None):
         """``model``: a model directory (a GGUF file, or a real model's name, as ``load_target`` takes),
         a transformers model already loaded (runs on "hf"), or a ``Target``, which then drafts on its own
@@ -39,7 +39,8 @@ class DraftModel:
         for itself at the cost of its quantized pass (the target's outputs stay its own: the drafts
         are only proposals). ``draft_vocab``: a directory's draft_vocab.json (``specdec train
         draft-vocab``) restricts the drafts to its tokens, and the native backend then computes only
-        those rows of the model's head.
+        those rows of the model's head (a quantized model's as Q8_0 blocks); a path: that file (or the
+        one in that folder) instead; False: the whole head.
         """
         self.vocabulary, self.head = None, None
         if quantize is not None and not isinstance(model, (str, os.PathLike)):
@@ -57,8 +58,9 @@ class DraftModel:
             self.tokenizer = hf.load_tokenizer(model)
             self.path = str(model)
             self.default_draft_tokens, self.default_tree = recorded_defaults(self.path)  # bench --record's fastest
-            if draft_vocab and isinstance(self.backend, NativeBackend):
-                self.vocabulary = read_draft_vocabulary(self.path, self.backend.vocab_size)
+            if draft_vocab is not False and isinstance(self.backend, NativeBackend):
+                where = self.path if draft_vocab is True else draft_vocab
+                self.vocabulary = read_draft_vocabulary(where, self.backend.vocab_size, required=draft_vocab is not True)
         else:  # None is typically target.model of a native target
             hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
@@ -91,7 +93,9 @@ class DraftModel:
                 f"the draft model's context window is {window} tokens, this generation needs up to {needed}")
         if self.vocabulary is not None and self.head is None:
             model = self.backend.model
-            self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, rows=self.vocabulary)
+            # a quantized model's head rows stay quantized (Q8_0 blocks of its dequantized rows: a Q8_0 head's own)
+            qtype = "Q8_0" if getattr(self.backend, "quantized_types", ()) else None
+            self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, qtype, rows=self.vocabulary)
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
                                     self.vocabulary)
         if self.vocabulary is not None:
