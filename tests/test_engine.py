@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import specdec
-from specdec.drafters import MTP, DFlash, DraftModel, Eagle, EarlyExit, Medusa, NoDraft, PromptLookup
+from specdec.drafters import MTP, DFlash, DraftModel, Eagle, EarlyExit, Lookahead, Medusa, NoDraft, PromptLookup
 from specdec.engine import Engine, QueueFullError, Request
 from specdec.errors import ContextLengthError, InvalidArgumentError
 from specdec.sampling import SamplingConfig
@@ -94,7 +94,10 @@ def zoo_drafters():
             ("medusa", lambda: Medusa(zoo_path("medusa")), {}), ("eagle", lambda: Eagle(zoo_path("eagle")), {}),
             ("eagle3 tree", lambda: Eagle(zoo_path("eagle3")), {"tree": specdec.TreeConfig(depth=3, topk=2,
                                                                                           num_nodes=8)}),
-            ("dflash", lambda: DFlash(zoo_path("dflash")), {})]
+            ("dflash", lambda: DFlash(zoo_path("dflash")), {}),
+            ("lookahead", lambda: Lookahead(window=3, ngram=4, guesses=3), {}),
+            ("lookahead tree", lambda: Lookahead(window=2, ngram=3, guesses=3),
+             {"tree": specdec.TreeConfig(depth=2, topk=3, num_nodes=5)})]
 
 
 @pytest.mark.parametrize("name,make,options", zoo_drafters(), ids=[d[0] for d in zoo_drafters()])
