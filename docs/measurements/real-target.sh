@@ -391,3 +391,12 @@ specdec demo > $OUT/demo-zen3-s20.txt 2>&1   # with lookahead beside the others
 # `specdec train draft-vocab --drafter DIR --target smollm2-135m --size N` into copies of its folder)
 python docs/measurements/draft_vocab_ab.py bfloat16 4 8 /tmp/qv24576/draft_vocab.json /tmp/qv16384/draft_vocab.json \
   src/specdec/zoo/data/smollm2-135m/draft/draft_vocab.json > $OUT/qdraft-vocab-bf16-zen3-s20.txt
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 --trees 3/2/6 \
+  --drafters lookahead --temperature 0.7 --no-transformers --threads 2 --output $OUT/lookahead-t07-f32-zen3-s20.json
+specdec bench --target smollm2-135m-q4_1 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 --trees 3/2/6 \
+  --drafters lookahead --no-transformers --threads 2 --output $OUT/lookahead-q4_1-zen3-s20.json
+# llama.cpp's lookahead example on the same file (W, N, G fixed in its source), the first held-out ShareGPT prompt
+BIN=$(bash ../shared/scripts/build-llamacpp.sh); GGUF=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m-q4_1') / 'model.gguf')")
+PROMPT=$(python -c "from specdec.zoo.tasks import load_tasks; from specdec.backends.hf import load_tokenizer; from specdec.zoo import zoo_path; print(load_tasks('sharegpt', tokenizer=load_tokenizer(zoo_path('smollm2-135m')))[0])")
+($BIN/llama-lookahead -m $GGUF -p "$PROMPT" -n 128 -t 2 --temp 0 -c 2048 2>&1 | grep -E " I (encoded|decoded|W =|N =|G =|n_predict|n_accept)"
+ $BIN/llama-bench -m $GGUF -p 0 -n 128 -t 2 -r 3 | tail -3) > $OUT/llamacpp-lookahead-zen3-s20.txt
