@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specdec
 from specdec.backends import hf
-from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.drafters import DraftModel, Lookahead, NoDraft, PromptLookup
 from specdec.errors import UnsupportedModelError
 from specdec.backends.target import Target, load_target
 from specdec.commands.tiny import build_model
@@ -98,6 +98,9 @@ def test_local_windows_under_other_names_run_row_by_row(tokenizer):
                  num_heads=4, attn="eager")
     target = assert_exact(model, tokenizer, expect_mode="rowwise")
     assert "window_size" in target.backend.reason
+    with pytest.raises(UnsupportedModelError) as error:  # lookahead's window needs a block mask
+        specdec.generate(target, target.encode(TEXTS[:1]), drafter=Lookahead(), max_new_tokens=4)
+    assert "lookahead" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("model_type", ["bart", "mbart", "marian", "pegasus", "blenderbot"])

@@ -35,7 +35,7 @@ from specdec.batch import Sequences
 from specdec.backends.cache import lower_triangle
 from specdec.drafters.base import DecodeContext, Proposal
 from specdec.drafters.prompt_lookup import prefix_tree, tree_proposal
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, UnsupportedModelError
 from specdec.models import kernels
 
 
@@ -103,6 +103,10 @@ class Lookahead:
         return self.window * (self.ngram - 1)
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "LookaheadSession":
+        backend = context.target.backend
+        if not backend.supports_trees:
+            raise UnsupportedModelError(f"{backend.description} cannot run lookahead's window, which needs a "
+                                        f"block attention mask: {backend.reason or 'it takes none'}")
         return LookaheadSession(self, context, seqs)
 
 
