@@ -114,6 +114,7 @@ def test_generate_command_with_lookahead(model_dirs, capsys):
     drafted = json.loads(capsys.readouterr().out)
     assert drafted["outputs"] == plain["outputs"]
     assert drafted["stats"]["drafts_proposed"] > 0
+    assert drafted["stats"]["cache_grown"] == 0  # the capacity counts the window's columns
     assert main(base + ["--drafter", "lookahead", "--lookahead-ngram", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "lookahead needs" in err and len(err.splitlines()) == 1

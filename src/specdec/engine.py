@@ -144,6 +144,7 @@ class Engine:
         static_tree = int(getattr(drafter, "tree_nodes", 0))  # a drafter's own static tree (Medusa) sets its width
         self.static_tree = static_tree
         self.width = max(self.config.k_limit, static_tree)  # the widest block of drafts a step may verify
+        self.carried = int(getattr(drafter, "branch_tokens", 0))  # columns a pass holds beside it (lookahead)
         self.eos = torch.tensor(target.eos_token_ids or [-1], device=target.device)
         self.policy = policy or FixedK()
         self.profile_seconds = 0.0
@@ -165,7 +166,7 @@ class Engine:
         if request.max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         check_context(self.target, [request.prompt], request.max_new_tokens)
-        reserved = len(request.prompt) + request.max_new_tokens + self.width + 1
+        reserved = len(request.prompt) + request.max_new_tokens + self.width + self.carried + 1
         if self.max_kv_tokens is not None and reserved > self.max_kv_tokens:
             raise ContextLengthError(f"the request needs {reserved} tokens of KV memory (prompt, max_new_tokens and "
                                      f"a block of drafts); the budget is {self.max_kv_tokens}")
@@ -374,7 +375,7 @@ class Group:
                                   draft_schedule=engine.config.draft_schedule,
                                   max_draft_tokens=engine.config.max_draft_tokens, tree=engine.tree)
         ragged = engine.stream or len(prompts) > 1
-        capacity = cache_capacity(prompts, config, engine.static_tree, ragged=ragged)
+        capacity = cache_capacity(prompts, config, engine.static_tree, ragged=ragged) + engine.carried
         seqs = Sequences(prompts, longest + max(budgets) + engine.width + 2, pad, device=device)
         context = DecodeContext(target, self.sampling, self.generator, max(budgets), engine.width, capacity, engine.tree)
         session = engine.drafter.start(context, seqs)
