@@ -400,3 +400,5 @@ BIN=$(bash ../shared/scripts/build-llamacpp.sh); GGUF=$(python -c "from specdec.
 PROMPT=$(python -c "from specdec.zoo.tasks import load_tasks; from specdec.backends.hf import load_tokenizer; from specdec.zoo import zoo_path; print(load_tasks('sharegpt', tokenizer=load_tokenizer(zoo_path('smollm2-135m')))[0])")
 ($BIN/llama-lookahead -m $GGUF -p "$PROMPT" -n 128 -t 2 --temp 0 -c 2048 2>&1 | grep -E " I (encoded|decoded|W =|N =|G =|n_predict|n_accept)"
  $BIN/llama-bench -m $GGUF -p 0 -n 128 -t 2 -r 3 | tail -3) > $OUT/llamacpp-lookahead-zen3-s20.txt
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 \
+  --drafters lookahead --policies load-aware --no-transformers --threads 2 --output $OUT/lookahead-loadaware-bf16-zen3-s20.json

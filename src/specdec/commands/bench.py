@@ -73,6 +73,7 @@ class Method:
     feature_seconds: float = 0.0  # specdec: handing the target's features to the drafter
     draft_seconds: float = 0.0   # specdec: the drafter's own time (propose, accepted, observe)
     steps: int = 0               # specdec: batched verification steps
+    drafting_steps: int = 0      # specdec: those that drafted (a plain step carries no lookahead window)
     note: str = ""               # what the label adds (a drafter's own static tree, the policy)
     policy: str | None = None    # specdec: the policy's text (schedule.parse_policy); None: fixed k
     accepted_at: list = field(default_factory=list)  # specdec: row-steps accepting >= j+1 drafts (depths, trees)
@@ -454,6 +455,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                     for j, count in enumerate(counts):
                         totals[j] += count
                 method.steps += info.target_forwards - 1
+                method.drafting_steps += sum(1 for k in info.k_history if k)
             else:  # transformers' first pass verifies its first drafts together with the prompt
                 (output,) = outputs
                 method.tau_tokens += len(output)
@@ -466,7 +468,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     # (int8 activations here, a dequantized float product in transformers) round each their own way.
     strict = target.backend.dtype == torch.float32 and not getattr(target.backend, "quantized_types", ())
     context = decode_context(results, prompts)
-    widest = max((m.k or 1) + branch_tokens(m) for m in methods)
+    widest = max((m.k or 1) + (m.drafter.branch_tokens if m.family == LOOKAHEAD else 0) for m in methods)
     costs = {id(engine): model_costs(engine, range(1, widest + 2), context) for engine in engines}
     for engine in engines:  # the verification cost of each tree size
         costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
@@ -544,9 +546,13 @@ def model_costs(engine: Engine, sizes, context: int) -> dict:
     return costs
 
 
-def branch_tokens(method: Method) -> int:
-    """Tokens a method's verification pass carries besides [pending, drafts] (lookahead's branch)."""
-    return method.drafter.branch_tokens if method.family == LOOKAHEAD else 0
+def branch_tokens(method: Method) -> float:
+    """Tokens a method's verification pass carries besides [pending, drafts] (lookahead's window), on average
+    over its steps (a policy's plain steps carry none)."""
+    if method.family != LOOKAHEAD:
+        return 0
+    share = method.drafting_steps / method.steps if method.steps else 1.0
+    return method.drafter.branch_tokens * share
 
 
 def model_time_bound(method: Method, costs: dict) -> float | None:
