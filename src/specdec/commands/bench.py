@@ -363,8 +363,7 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         if name == DRAFT_MODEL:
             note = f"{note} {draft_note(drafter)}".strip()
-        if name == LOOKAHEAD:
-            note = f"{note} {drafter.setting}".strip()
+        note = f"{note} {getattr(drafter, 'setting', '')}".strip()  # a drafter's own settings (lookahead's W/N/G)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
         if chain_ks:
@@ -468,7 +467,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     # (int8 activations here, a dequantized float product in transformers) round each their own way.
     strict = target.backend.dtype == torch.float32 and not getattr(target.backend, "quantized_types", ())
     context = decode_context(results, prompts)
-    widest = max((m.k or 1) + (m.drafter.branch_tokens if m.family == LOOKAHEAD else 0) for m in methods)
+    widest = max((m.k or 1) + getattr(m.drafter, "branch_tokens", 0) for m in methods)
     costs = {id(engine): model_costs(engine, range(1, widest + 2), context) for engine in engines}
     for engine in engines:  # the verification cost of each tree size
         costs[id(engine)]["target"].update({t.num_nodes + 1: forward_time(engine.target.backend, t.num_nodes + 1,
@@ -547,12 +546,10 @@ def model_costs(engine: Engine, sizes, context: int) -> dict:
 
 
 def branch_tokens(method: Method) -> float:
-    """Tokens a method's verification pass carries besides [pending, drafts] (lookahead's window), on average
-    over its steps (a policy's plain steps carry none)."""
-    if method.family != LOOKAHEAD:
-        return 0
+    """Tokens a method's verification pass carries besides [pending, drafts] (what its drafter declares:
+    lookahead's window), on average over its steps (a policy's plain steps carry none)."""
     share = method.drafting_steps / method.steps if method.steps else 1.0
-    return method.drafter.branch_tokens * share
+    return getattr(method.drafter, "branch_tokens", 0) * share
 
 
 def model_time_bound(method: Method, costs: dict) -> float | None:

@@ -94,8 +94,8 @@ class DraftModel:
         if self.vocabulary is not None and self.head is None:
             model = self.backend.model
             # a quantized model's head rows stay quantized (Q8_0 blocks of its dequantized rows: a Q8_0 head's own)
-            qtype = "Q8_0" if getattr(self.backend, "quantized_types", ()) else None
-            self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, qtype, rows=self.vocabulary)
+            self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, llama.drafter_qtype(self),
+                                          rows=self.vocabulary)
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
                                     self.vocabulary)
         if self.vocabulary is not None:

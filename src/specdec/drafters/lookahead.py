@@ -133,16 +133,10 @@ class LookaheadSession:
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         pending = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0].tolist()
         device = seqs.tokens.device
-        if self.tree is None:
-            tokens = torch.zeros(len(pending), k, dtype=torch.long)
-            lengths = torch.zeros(len(pending), dtype=torch.long)
-            for row, (pool, token) in enumerate(zip(self.pools, pending)):
-                found = pool.get(token)
-                if found:
-                    draft = found[0][:k]
-                    tokens[row, : len(draft)] = torch.tensor(draft)
-                    lengths[row] = len(draft)
-            return Proposal(tokens.to(device), lengths.to(device))
+        if self.tree is None:  # the newest n-gram of each row, as a chain
+            chains = [list(found[0][:k]) if found else [] for found in map(NgramPool.get, self.pools, pending)]
+            return tree_proposal([(c, list(range(-1, len(c) - 1)), list(range(1, len(c) + 1))) for c in chains], device,
+                                 width=k, chain=True)
         depth = min(self.tree.depth, self.config.ngram - 1)
         rows = [prefix_tree([list(value[:depth]) for value in pool.get(token)[: self.tree.topk]], self.tree.num_nodes)
                 for pool, token in zip(self.pools, pending)]
