@@ -13,7 +13,7 @@ import torch
 
 import specdec
 from specdec import TreeConfig
-from specdec.drafters import DraftModel, NoDraft, PromptLookup
+from specdec.drafters import DraftModel, Lookahead, NoDraft, PromptLookup
 from specdec.sampling import SamplingConfig, probabilities
 from specdec.zoo import zoo_path
 from specdec.zoo.tasks import load_tasks
@@ -66,7 +66,8 @@ def test_every_drafter_equals_plain_decoding_in_bfloat16(arch, model_dirs):
     drafters = [PromptLookup(max_ngram=3),
                 DraftModel(model_dirs[f"{arch}-draft"], dtype=torch.bfloat16, backend="native"),
                 DraftModel(model_dirs[f"{arch}-draft"], backend="native"),  # a float32 draft for a bf16 target
-                DraftModel(target)]  # the target as its own draft: every draft accepted
+                DraftModel(target),  # the target as its own draft: every draft accepted
+                Lookahead(window=3, ngram=4, guesses=3)]  # its window rides in the bfloat16 pass
     reference = check_against_plain(target, prompts, drafters, 40)
     assert any(r and r[-1] in target.eos_token_ids for r in reference) and any(len(r) == 40 for r in reference)
 
@@ -76,7 +77,7 @@ def test_zoo_drafters_equal_plain_decoding(dtype):
     """The trained zoo pair, where drafts are mostly right and near-ties are real."""
     target = specdec.load_target(zoo_path("target"), dtype=dtype, backend="native")
     prompts = target.encode(load_tasks("code-completion")[:6])
-    drafters = [PromptLookup(), DraftModel(zoo_path("draft"), dtype=dtype, backend="native")]
+    drafters = [PromptLookup(), DraftModel(zoo_path("draft"), dtype=dtype, backend="native"), Lookahead()]
     check_against_plain(target, prompts, drafters, 64, ks=(4,), alone=(1,))
 
 
@@ -100,12 +101,14 @@ def native_two_token_distribution(target, prompt, config: SamplingConfig) -> tor
     ("self", 1.2, 5, 0.95),
     ("lookup", 1.0, 4, None),
     ("draft-tree", 1.0, 6, None),
+    ("lookahead", 1.0, 5, None),
 ])
 def test_bfloat16_sampling_keeps_the_targets_distribution(drafter_kind, temperature, top_k, top_p, model_dirs):
     config = SamplingConfig(temperature, top_k, top_p)
     target, prompt, exact = sampling_case(model_dirs["llama"], config)
     drafter = {"draft": DraftModel(model_dirs["llama-draft"], dtype=torch.bfloat16, backend="native"),
-               "self": DraftModel(target), "lookup": PromptLookup(max_ngram=2)}[drafter_kind.removesuffix("-tree")]
+               "self": DraftModel(target), "lookup": PromptLookup(max_ngram=2),
+               "lookahead": Lookahead(window=3, ngram=3, guesses=3)}[drafter_kind.removesuffix("-tree")]
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if drafter_kind.endswith("-tree") else None
     assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
 

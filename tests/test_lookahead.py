@@ -52,10 +52,11 @@ def test_bad_settings_are_refused():
             Lookahead(**settings)
 
 
-def test_the_branch_computes_each_column_alone_and_leaves_no_trace(model_dirs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_branch_computes_each_column_alone_and_leaves_no_trace(model_dirs, dtype):
     """Verification with the branch returns plain verification's logits bit for bit and leaves the cache as
     plain verification does; each column's top-level guess is the argmax of that column's sequence run alone."""
-    target = load_target(model_dirs["llama"], backend="native")
+    target = load_target(model_dirs["llama"], dtype=dtype, backend="native")
     context = target.encode([PROMPTS[2]])[0]
     seqs = Sequences([context], len(context) + 16, target.pad_token_id)
     session = Lookahead(window=3, ngram=4, guesses=2).start(
