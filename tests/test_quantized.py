@@ -276,6 +276,12 @@ def test_a_quantized_draft_model_drafts_over_a_draft_vocabulary(quantized_file, 
         assert torch.equal(kept, full[:, ids])
     with pytest.raises(DrafterMismatchError, match="no draft vocabulary"):
         DraftModel(quantized_file, draft_vocab=tmp_path / "missing.json")
+    (tmp_path / "cut.json").write_text('{"ids": [0, 3, 6')                 # truncated
+    (tmp_path / "wide.json").write_text(json.dumps({"ids": [0, target.vocab_size]}))  # another target's ids
+    for bad, words in (("cut.json", "not a draft vocabulary"), ("wide.json", "within the target's vocabulary")):
+        with pytest.raises(DrafterMismatchError, match=words) as error:
+            DraftModel(quantized_file, draft_vocab=tmp_path / bad)
+        assert "\n" not in str(error.value)
 
 
 def test_draft_quantize_on_the_command_line(model_dirs, capsys):
