@@ -64,7 +64,7 @@ def test_a_row_keeps_its_bits_in_every_block(qtype, threads):
     try:
         w, x, residual, bias = product_case(qtype, 64)
         alone = torch.cat([run(x[i:i + 1], w, residual[i:i + 1], bias) for i in range(64)])
-        for rows in (2, 3, 5, 16, 17, 33, 64):
+        for rows in (2, 3, 4, 5, 6, 7, 16, 17, 33, 64):   # the few-row tiles up to 6, the many-row ones above
             assert torch.equal(run(x[:rows], w, residual[:rows], bias), alone[:rows]), rows
     finally:
         lib.sd_set_threads(torch.get_num_threads())
@@ -102,13 +102,14 @@ def builds():
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_every_build_computes_the_same_bits(builds, qtype, monkeypatch):
     w, x, residual, bias = product_case(qtype, 19, seed=3)
-    results = {}
-    for name, library in builds.items():
-        monkeypatch.setattr(kernels, "_library", library)
-        results[name] = run(x, w, residual, bias)
-    monkeypatch.undo()
-    first = next(iter(results.values()))
-    assert all(torch.equal(first, other) for other in results.values()), list(results)
+    for rows in (1, 6, 19):     # the few-row tiles and the many-row ones
+        results = {}
+        for name, library in builds.items():
+            monkeypatch.setattr(kernels, "_library", library)
+            results[name] = run(x[:rows], w, residual[:rows], bias)
+        monkeypatch.undo()
+        first = next(iter(results.values()))
+        assert all(torch.equal(first, other) for other in results.values()), (rows, list(results))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

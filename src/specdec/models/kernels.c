@@ -1111,21 +1111,23 @@ static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t
 #define SD_QVECTOR "avx2"
 #define QROWS 16
 #define QROWS_Q4 16
-#define QSTREAM_ROWS 3 /* tiles of up to this many rows take each block piece by piece */
+#define QSTREAM_ROWS 6 /* tiles of up to this many rows take each block piece by piece */
 #define QAHEAD 4        /* blocks ahead that such a tile asks for */
 /* Eight lanes: a block's 16 columns are two halves of 8. Products in int16 pairs by vpmaddubsw: the
  * 4-bit types' eight pair sums of a half add up in int16 (|c a| <= 15 * 127, sixteen products per lane
  * < 2^15) before one vpmaddwd; Q8_0 as |q| times a with q's sign (q = c - 128; |q| <= 128, |a| <= 127,
  * a pair fits int16), each pair sum widened at once. Q8_0's sums are then sum q a, which is exactly
  * sum c a - 128 A: the same integer the other builds form, so the same bits after it.
- * Many rows: each half is unpacked once per block into registers that spill to an L1 buffer, which
- * every row of the tile then reads (the rows' chains live in memory too). A few rows cannot repay that
- * buffer: there each 64-byte piece of a block (both halves) is unpacked and meets every row at once, in
- * registers, and the block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads,
- * one and two rows' quantized products 0.72-0.90x the time of the buffered body). Either way each
- * broadcast of a row's four inputs serves both halves (one broadcast instead of two: 0.86-0.94x the
- * time of 1-16 rows' products, measured on the same Zen 1). The same integer sums and the same float
- * operations in the same order, so the same bits. */
+ * A few rows (up to QSTREAM_ROWS): each 64-byte piece of a block (both halves) is unpacked and meets
+ * every row at once, in registers, each broadcast of a row's four inputs serving both halves, and the
+ * block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads, one and two rows'
+ * quantized products 0.72-0.90x the time of the buffered body below; on a Zen 3, 4-6 rows 0.85-0.92x
+ * with the limit raised from 3 to 6). More rows: Q8_0's block is unpacked once into registers that
+ * spill to an L1 buffer, which every row then reads, one broadcast serving both halves; the 4-bit
+ * types go half by half, the half's eight unpacked registers staying put while every row meets them
+ * (twice the broadcasts, no reloads: 8-16 rows 0.89-0.93x the time of the buffered body on a Zen 3,
+ * which keeps its vector pipes busy either way). The same integer sums and the same float operations
+ * in the same order, so the same bits. */
 static inline __attribute__((always_inline)) __m256 qblock_add(__m256 acc, __m256i sum, __m256 d, __m256 m,
                                                                 const struct qrows* x, long at, int z, int has_m) {
     sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(z * x->A[at]));
@@ -1186,43 +1188,40 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
                                            x, (m0 + r) * nb + b, z, has_m);
             continue;
         }
-        __m256i w[2][16]; /* per half: Q4 nibbles (v low, then v high); Q8_0 |q| then q */
-        for (int h = 0; h < 2; h++) {
-            if (q4) {
+        if (q4) {  /* half by half */
+            for (int h = 0; h < 2; h++) {
+                __m256i w[8]; /* inputs 4v + t in w[v], 16 + 4v + t in w[4 + v] */
                 for (int v = 0; v < 4; v++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
-                    w[h][v] = _mm256_and_si256(raw, low);
-                    w[h][4 + v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    w[v] = _mm256_and_si256(raw, low);
+                    w[4 + v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                 }
-            } else {
-                for (int g = 0; g < 8; g++) {
-                    __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
-                    w[h][g] = _mm256_abs_epi8(q);
-                    w[h][8 + g] = q;
+                for (int r = 0; r < R; r++) {
+                    const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+                    __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
+                    for (int g = 1; g < 8; g++)
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(quad[g])));
+                    acc[r][h] = qblock_add(acc[r][h], _mm256_madd_epi16(pairs, ones), d[h], m[h], x,
+                                           (m0 + r) * nb + b, z, has_m);
                 }
             }
+            continue;
         }
+        __m256i w[2][16]; /* per half: |q| then q */
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 8; g++) {
+                __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
+                w[h][g] = _mm256_abs_epi8(q);
+                w[h][8 + g] = q;
+            }
         for (int r = 0; r < R; r++) {  /* each broadcast of the row's inputs meets both halves */
             const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            __m256i sum[2];
-            if (q4) {
-                __m256i a = _mm256_set1_epi32(quad[0]);
-                __m256i pairs0 = _mm256_maddubs_epi16(w[0][0], a), pairs1 = _mm256_maddubs_epi16(w[1][0], a);
-                for (int g = 1; g < 8; g++) {
-                    a = _mm256_set1_epi32(quad[g]);
-                    pairs0 = _mm256_add_epi16(pairs0, _mm256_maddubs_epi16(w[0][g], a));
-                    pairs1 = _mm256_add_epi16(pairs1, _mm256_maddubs_epi16(w[1][g], a));
-                }
-                sum[0] = _mm256_madd_epi16(pairs0, ones);
-                sum[1] = _mm256_madd_epi16(pairs1, ones);
-            } else {
-                sum[0] = sum[1] = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g++) {
-                    __m256i a = _mm256_set1_epi32(quad[g]);
-                    for (int h = 0; h < 2; h++)
-                        sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(w[h][g], _mm256_sign_epi8(a, w[h][8 + g])), ones));
-                }
+            __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int g = 0; g < 8; g++) {
+                __m256i a = _mm256_set1_epi32(quad[g]);
+                for (int h = 0; h < 2; h++)
+                    sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w[h][g], _mm256_sign_epi8(a, w[h][8 + g])), ones));
             }
             for (int h = 0; h < 2; h++)
                 acc[r][h] = qblock_add(acc[r][h], sum[h], d[h], m[h], x, (m0 + r) * nb + b, z, has_m);
