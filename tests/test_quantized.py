@@ -9,6 +9,8 @@ bit for bit is that nothing but the row itself decides its result.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -163,6 +165,21 @@ def test_a_gguf_file_loads_with_its_weights_quantized(quantized_file):
     theirs = hf.forward(hf.new_cache(1), tokens, logits_to_keep=7)[0]
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
     assert target.fingerprint() == hf.fingerprint()
+
+
+def test_the_cache_keeps_no_folder_of_a_removed_gguf_file(quantized_file, tmp_path, monkeypatch):
+    from specdec.models.gguf import gguf_folder
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "first.gguf", tmp_path / "second.gguf"
+    shutil.copy(quantized_file, first)
+    shutil.copy(quantized_file, second)
+    kept = gguf_folder(first)
+    assert gguf_folder(first) == kept and (kept / "config.json").is_file()
+    first.unlink()
+    other = gguf_folder(second)
+    assert not kept.exists() and (other / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [other.name]
 
 
 def test_speculation_on_quantized_weights_equals_plain_decoding(quantized_file, model_dirs):

@@ -223,8 +223,20 @@ def gguf_folder(gguf_path: str | os.PathLike) -> Path:
     key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     folder = writable(cache_dir()) / "gguf" / f"{gguf_path.stem}-{key}"
     if not (folder / "config.json").is_file():
+        forget_removed_files(folder.parent)
         link_folder(gguf_path, folder)
     return folder
+
+
+def forget_removed_files(parent: Path) -> None:
+    """Removes the cached folders whose GGUF file is gone (their link dangles), so the cache holds one
+    folder per file that still exists, not one per file ever opened."""
+    import shutil
+
+    for folder in parent.iterdir() if parent.is_dir() else ():
+        link = folder / GGUF_WEIGHTS
+        if link.is_symlink() and not link.exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def raw_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray, tuple[int, ...]]]:
