@@ -395,6 +395,8 @@ class Group:
         cache, logits, hidden = prefill(target, tokens, valid, capacity, engine.layers, groups)
         if shared:
             session.share_cache(cache)
+        elif hasattr(session, "adopt_prompt"):  # a copy of the target drafting: the prompt's keys and values
+            session.adopt_prompt(cache)
         if processors is not None:
             logits = processors.apply(seqs, prompt_lengths, logits, budgets=budget)
         first = kernels.argmax(logits[:, -1]) if self.sampling.greedy else sample(

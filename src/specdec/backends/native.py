@@ -258,6 +258,21 @@ class NativeCache(RaggedCache):
         self.store, self.kv = store, store[:, :, :batch]
         self.model.reserve(capacity)
 
+    @torch.inference_mode()
+    def adopt(self, other: "NativeCache") -> None:
+        """Take ``other``'s columns (its keys and values in this cache's dtype, its rows' validity and
+        positions): a cache of a model of the same shape, e.g. the prompt the target has just read, so
+        a quantized copy of it need not read the prompt again. Rows and capacity must fit."""
+        batch, columns = self.kv.shape[2], other.columns
+        if other.kv.shape[2] != batch or other.kv.shape[:2] != self.kv.shape[:2] or \
+                other.kv.shape[3] != self.kv.shape[3] or other.kv.shape[5] != self.kv.shape[5]:
+            raise ValueError(f"cannot adopt a cache shaped {tuple(other.kv.shape)} into {tuple(self.kv.shape)}")
+        if columns > self.capacity:
+            self._reallocate(self.store.shape[2], columns, 0)
+        self.kv[:, :, :, :, :columns] = other.kv[:, :, :, :, :columns]
+        self.valid, self.positions = other.valid.clone(), other.positions.clone()
+        self.lengths = other.lengths.clone()
+
     def _truncated(self, stop: int) -> None:
         pass  # columns from ``stop`` on are overwritten by the next block
 

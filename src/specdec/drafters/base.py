@@ -138,6 +138,10 @@ class DraftSession(Protocol):
     # def verify_forward(self, cache, tokens, valid, logits_to_keep, hidden_layers=()):
     #     """Target.forward for the verification block, reusing what drafting computed."""
 
+    # Sessions of a draft model that copies the target (the same network, quantized) implement:
+    # def adopt_prompt(self, cache) -> None:
+    #     """The target's KV cache right after the prefill, to take the prompt's keys and values from."""
+
     # Sessions of drafters that declare ``features`` also implement:
     # def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
     #     """The target's features of newly committed tokens (after the prefill and after ``accepted``)."""

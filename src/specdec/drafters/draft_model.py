@@ -28,7 +28,7 @@ class DraftModel:
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool | str | os.PathLike = True,
-                 quantize: str | None = None):
+                 quantize: str | None = None, reuse_prompt: bool = True):
         """``model``: a model directory (a GGUF file, or a real model's name, as ``load_target`` takes),
         a transformers model already loaded (runs on "hf"), or a ``Target``, which then drafts on its own
         backend (self-draft; ``target.model`` is None on native).
@@ -40,9 +40,13 @@ class DraftModel:
         are only proposals). ``draft_vocab``: a directory's draft_vocab.json (``specdec train
         draft-vocab``) restricts the drafts to its tokens, and the native backend then computes only
         those rows of the model's head (a quantized model's as Q8_0 blocks); a path: that file (or the
-        one in that folder) instead; False: the whole head.
+        one in that folder) instead; False: the whole head. ``reuse_prompt``: where the draft model is a
+        copy of the target (the same shape and embeddings: a quantized copy, a GGUF file of the same
+        weights), it takes the keys and values the target computed for the prompt instead of reading the
+        prompt again (both on the native backend); drafts stay proposals, so outputs are unchanged.
         """
         self.vocabulary, self.head = None, None
+        self.reuse_prompt = reuse_prompt
         if quantize is not None and not isinstance(model, (str, os.PathLike)):
             raise InvalidArgumentError(f"quantize={quantize!r} quantizes a model loaded from a directory or file, "
                                        f"not a {type(model).__name__} already loaded")
@@ -82,6 +86,7 @@ class DraftModel:
         elif self.vocab_size != target.vocab_size:
             raise VocabularyMismatchError(
                 f"draft vocabulary size {self.vocab_size} differs from the target's {target.vocab_size}")
+        self.copies_target = self.reuse_prompt and copies(self.backend, target.backend)
         self._compatible_with = target
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DraftModelSession":
@@ -98,9 +103,27 @@ class DraftModel:
                                           rows=self.vocabulary)
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
                                     self.vocabulary)
+        session.reads_prompt = not self.copies_target
         if self.vocabulary is not None:
             session.cache.logit_head = self.head
         return session
+
+
+def copies(draft, target, rows: int = 256) -> bool:
+    """Whether a native draft model is a copy of a native target: the same layers, heads, RoPE and
+    attention windows, and token embeddings that agree (mean cosine above 0.99 over ``rows`` rows spread
+    over the vocabulary; a quantized copy's are about 0.995, another model's about 0), so the target's
+    keys and values stand for the draft's own."""
+    if not (isinstance(draft, NativeBackend) and isinstance(target, NativeBackend)):
+        return False
+    a, b = draft.model, target.model
+    shape = lambda m: (len(m.layers), m.heads, m.kv_heads, m.head_dim, m.hidden_size, tuple(m.embed.shape),
+                       tuple(layer.window for layer in m.layers))
+    if shape(a) != shape(b) or not torch.equal(a.inv_freq, b.inv_freq):
+        return False
+    index = torch.linspace(0, a.embed.shape[0] - 1, rows).long()
+    agree = torch.nn.functional.cosine_similarity(a.embed[index].float(), b.embed[index].float(), dim=1)
+    return bool(agree.mean() > 0.99)
 
 
 class DraftModelSession:
@@ -114,6 +137,13 @@ class DraftModelSession:
         self.cache = backend.new_cache(batch_size, context.cache_capacity)
         self.tree = context.tree
         self.tree_base: torch.Tensor | None = None  # [B] committed tokens in the cache below a tree
+
+    reads_prompt = True  # False: the target's keys and values of the prompt are this cache's
+
+    def adopt_prompt(self, cache) -> None:
+        """After the target's prefill: its cache of the prompt becomes this cache's (a copy of the target)."""
+        if not self.reads_prompt:
+            self.cache.adopt(cache)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded embeddings may differ in size; a draft
