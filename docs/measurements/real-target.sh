@@ -402,3 +402,19 @@ PROMPT=$(python -c "from specdec.zoo.tasks import load_tasks; from specdec.backe
  $BIN/llama-bench -m $GGUF -p 0 -n 128 -t 2 -r 3 | tail -3) > $OUT/llamacpp-lookahead-zen3-s20.txt
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 -k 3 \
   --drafters lookahead --policies load-aware --no-transformers --threads 2 --output $OUT/lookahead-loadaware-bf16-zen3-s20.json
+
+# ---- twenty-first session: the same Zen 3 model (AMD EPYC family 25 model 1); AVX2 quantized tiles, quantized
+# products split from 128 KiB, a copy of the target drafting takes the prompt from the target's cache ----
+git show 2af679f:src/specdec/models/kernels.c > A.c   # before the AVX2 quantized tiles
+python docs/measurements/forward_ab_runs.py smollm2-135m-q4_1 1,2,4,5,6,8,16 float32 4 A.c src/specdec/models/kernels.c
+python -c "import sys; sys.path.insert(0, 'docs/measurements'); from cost_curves import export; from specdec.zoo import zoo_path; \
+from pathlib import Path; export(zoo_path('smollm2-135m'), Path('Q8_0.gguf'), 'q8_0')"
+python docs/measurements/forward_ab_runs.py Q8_0.gguf 1,2,4,5,6,8,16 float32 3 A.c src/specdec/models/kernels.c
+python docs/measurements/draft_prompt_ab.py bfloat16 4 64 4 2 > $OUT/draft-prompt-bf16-zen3-s21.txt
+python docs/measurements/draft_prompt_ab.py float32 6 64 4 2 > $OUT/draft-prompt-f32-zen3-s21.txt
+specdec bench --target smollm2-135m --draft smollm2-135m-q4_1 --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 \
+  --max-new-tokens 64 -k 3 4 5 6 8 --no-transformers --threads 2 --output $OUT/qdraft-k-bf16-zen3-s21.json
+specdec demo > $OUT/demo-zen3-s21.txt 2>&1
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-s21.json
+python docs/measurements/parallel_bytes_ab.py smollm2-135m-q4_1 float32 524288,262144,131072,65536,32768 1,2
+python docs/measurements/parallel_bytes_ab.py Q8_0.gguf float32 524288,131072,65536,32768 1,2
