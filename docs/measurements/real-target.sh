@@ -418,3 +418,4 @@ specdec demo > $OUT/demo-zen3-s21.txt 2>&1
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen3-s21.json
 python docs/measurements/parallel_bytes_ab.py smollm2-135m-q4_1 float32 524288,262144,131072,65536,32768 1,2
 python docs/measurements/parallel_bytes_ab.py Q8_0.gguf float32 524288,131072,65536,32768 1,2
+python docs/measurements/llamacpp_draft_pair.py $BIN 4 4 64 > $OUT/llamacpp-draft-pair-zen3-s21.txt
