@@ -1887,6 +1887,36 @@ static inline __attribute__((always_inline)) void score_tile_wide6(const float* 
 #define SCORE_ROWS 1
 #endif
 
+#if !defined(SD_WIDE) && defined(__AVX2__) && defined(__FMA__)
+/* Three rows against four keys at once on AVX2 (12 chains, three query vectors and a key: 16
+ * registers), so each key is loaded and widened once for three rows instead of once per row. Each
+ * chain is the one score_tile_1 runs (lane l over d = l, l + 8, ... in order) and four keys' lanes are
+ * added in the same tree: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), so the scores are the same
+ * bits. Two-byte keys only: measured on a Zen 3 (30 layers' attention, 9 query heads over 3 key heads,
+ * context 200 + n, 2 threads), bfloat16 n = 4 / 16 / 64 0.87-0.90 / 0.79-0.85 / 0.78-0.85x the time;
+ * float32 keys, which need no widening, 1.2x, so they keep one row per tile. */
+#define SCORE_ROWS_AVX2 3
+static inline __attribute__((always_inline)) void score_tile_3x4(const float* q, const void* keys, int dtype, long D,
+                                                                 float scale, float* out, long ldo) {
+    __m256 acc[3][4];
+    size_t kstride = D * esize(dtype);
+    for (int r = 0; r < 3; r++) for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (long d = 0; d < D; d += 8) {
+        __m256 qv[3];
+        for (int r = 0; r < 3; r++) qv[r] = _mm256_loadu_ps(q + r * D + d);
+        for (int c = 0; c < 4; c++) {
+            __m256 kv = load_key((const char*)keys + c * kstride, d, dtype);
+            for (int r = 0; r < 3; r++) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < 3; r++) {
+        __m256 g = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1));
+        _mm_storeu_ps(out + r * ldo, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+}
+#endif
+
 #if defined(SD_WIDE)
 /* Attention outputs of R rows x 16 C columns: acc[r, d] = fma(p[r, t], v[t, d], acc) over t in order,
  * the chain the eight-lane loops below compute. v: the head's values (element t * D + d). */
@@ -1927,6 +1957,11 @@ static inline __attribute__((always_inline)) void score_columns_as(const float* 
         for (; r + 6 <= rows; r += 6) score_tile_wide6(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
         for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
             score_tile_3(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
+#elif defined(SCORE_ROWS_AVX2)
+        for (; dtype != F32 && r + SCORE_ROWS_AVX2 <= rows; r += SCORE_ROWS_AVX2) {
+            score_tile_3x4(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
+            score_tile_3x4(qf + r * D, keys + 4 * D * es, dtype, D, scale, score + r * T + t + 4, T);
+        }
 #endif
         for (; r < rows; r++) score_tile_1(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
     }
