@@ -91,6 +91,8 @@ def zoo_drafters():
             ("draft-model", lambda: DraftModel(zoo_path("draft")), {}),
             ("draft-model tree", lambda: DraftModel(zoo_path("draft")),
              {"tree": specdec.TreeConfig(depth=3, topk=2, num_nodes=6)}),
+            # the target's own quantized copy: it takes each cohort's prompt from the target's cache
+            ("draft-model copy", lambda: DraftModel(zoo_path("target"), quantize="q8_0"), {}),
             ("medusa", lambda: Medusa(zoo_path("medusa")), {}), ("eagle", lambda: Eagle(zoo_path("eagle")), {}),
             ("eagle3 tree", lambda: Eagle(zoo_path("eagle3")), {"tree": specdec.TreeConfig(depth=3, topk=2,
                                                                                           num_nodes=8)}),
