@@ -327,6 +327,34 @@ def test_load_aware_drafts_less_as_verification_gets_dearer():
     assert policy.draft_tokens(None, Rows(1)) == 2
 
 
+def test_load_aware_estimates_a_drafter_right_most_of_the_time():
+    """Positions a policy stopped verifying take the estimate of the one before (not the fixed prior), a
+    profile's noisy dip is lifted (a wider pass is never cheaper), and one slow first drafting step is not
+    yet a clear loss: after ``explore`` plain steps a probe drafts at the k that looks best."""
+    from specdec.schedule import monotone
+
+    policy = synthetic(lambda b, n: 1e-3, 0.98)
+    policy.evaluated, policy.accepted = [50.0, 1.0, 0.0, 0.0], [49.0, 1.0, 0.0, 0.0]
+    assert policy.acceptance(0) == pytest.approx(0.97, abs=0.01)
+    assert policy.acceptance(3) == pytest.approx(policy.acceptance(1), abs=0.01)
+    assert policy.acceptance(3) > 0.95                                                      # not the prior 0.7
+    assert monotone({(1, 1): 2.0, (1, 2): 3.0, (1, 3): 2.5, (2, 1): 4.0, (2, 2): 3.5}) == \
+        {(1, 1): 2.0, (1, 2): 3.0, (1, 3): 3.0, (2, 1): 4.0, (2, 2): 4.0}
+    # One drafting step seen, made dear by a one-off: drafting looks like a clear loss, yet a probe follows.
+    policy = synthetic(lambda b, n: 1e-3, 0.98)
+    policy.draft_cost = {1: [0.05, 1]}
+    choices = [policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2)]
+    assert choices[:policy.explore] == [0] * policy.explore and max(choices) >= 1
+    # A row the token budget cut to 2 drafts, both accepted, shows no rejection at the third slot.
+    for cut, third in ((True, 0.0), (False, 1.0)):
+        policy.evaluated, policy.accepted = [0.0] * 4, [0.0] * 4
+        policy.count_acceptance(4, [2], [2], [cut])
+        assert policy.evaluated[:3] == [1.0, 1.0, third] and policy.accepted[:3] == [1.0, 1.0, 0.0]
+    # Seen often enough, the same loss is clear: no probe.
+    policy.draft_cost, policy.undrafted = {1: [0.05, policy.evidence]}, 0
+    assert not any(policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2))
+
+
 def test_load_aware_profiles_and_stays_exact(zoo_target, zoo_prompts, zoo_reference):
     engine = Engine(zoo_target, DraftModel(zoo_path("draft")), num_draft_tokens=4, max_batch_size=8,
                     policy=LoadAware())

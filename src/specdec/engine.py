@@ -444,7 +444,8 @@ class Group:
         drafting = engine.speculates and k > 0
         started = tick = time.perf_counter()
         if drafting:
-            offered = session.propose(seqs, k).clamp(self.remaining - 1)
+            drafted_in_full = session.propose(seqs, k)
+            offered = drafted_in_full.clamp(self.remaining - 1)
             cut = getattr(engine.policy, "cut", None)  # what the policy keeps of it (a policy without cut: all)
             proposal = offered if cut is None else cut(engine, self, offered)
             if proposal is not offered:
@@ -507,6 +508,9 @@ class Group:
         if engine.stream:
             self._report(proposed, accepted, new_tokens, counts, verified[5], keep, updates)
         timing = {"draft": drafted + time.perf_counter() - tick, "step": time.perf_counter() - started}
+        if accepted is not None and drafting and not proposal.is_tree:
+            # rows the token budget cut short: their unfilled width says nothing of the drafter
+            timing["budget_cut"] = (offered.lengths < drafted_in_full.lengths).tolist()
         engine.policy.observe(engine, self, proposal.k, proposed, accepted, timing)
         self._leave_done(done, updates)
 

@@ -103,6 +103,7 @@ class LoadAware(FixedK):
                  gain: float = 0.03, table: dict[tuple[int, int], float] | None = None):
         self.max_draft_tokens, self.decay, self.prior, self.explore = max_draft_tokens, decay, prior, explore
         self.margin, self.gain = margin, gain
+        self.evidence = 3  # drafting steps observed (any batch size) before a loss counts as clear
         self.undrafted = 0  # steps since the last one that drafted
         self.context, self.repeats = context, repeats
         self.given = dict(table) if table else None
@@ -134,7 +135,7 @@ class LoadAware(FixedK):
             return
         started = time.perf_counter()
         self.sizes = sizes
-        self.table = profile(engine.target, self.sizes, self.k_max + 1, self.context, self.repeats)
+        self.table = monotone(profile(engine.target, self.sizes, self.k_max + 1, self.context, self.repeats))
         self._profiled = key
         engine.profile_seconds = time.perf_counter() - started
 
@@ -152,11 +153,16 @@ class LoadAware(FixedK):
         return (1 - share) * self.table[low, width] + share * self.table[high, width]
 
     def acceptance(self, position: int) -> float:
-        """P(slot ``position`` (0-based) of a verified block yields an accepted draft | every earlier one did)."""
+        """P(slot ``position`` (0-based) of a verified block yields an accepted draft | every earlier one did).
+        The first position's prior is ``prior``; a later one's is the estimate before it, so a position
+        seldom verified (a policy that settled on fewer drafts stops observing the later ones) is taken to
+        behave like the one before it, not like the fixed prior: a drafter right 98% of the time is not
+        held at 0.7 past the positions it happened to verify."""
+        prior = self.acceptance(position - 1) if position > 0 else self.prior
         if position < len(self.evaluated) and self.evaluated[position] > 0:
             weight = 2.0  # the prior counts as two observations
-            return (self.accepted[position] + weight * self.prior) / (self.evaluated[position] + weight)
-        return self.acceptance(position - 1) if position > 0 else self.prior
+            return (self.accepted[position] + weight * prior) / (self.evaluated[position] + weight)
+        return prior
 
     @staticmethod
     def nearest(values: dict[int, list], rows: int) -> float:
@@ -179,14 +185,20 @@ class LoadAware(FixedK):
             return engine.config.num_draft_tokens
         rows, best, k = group.size, self.rate(group.size, 0), 0
         plain = best
-        while k < self.k_max:
-            candidate = self.rate(rows, k + 1)
-            if candidate <= best * (1 + self.gain):
-                break  # the first draft that does not raise the expected rate ends the search
-            best, k = candidate, k + 1
+        for more in range(1, self.k_max + 1):
+            # every k is weighed (a noisy profile can make one width look dear between two cheap ones);
+            # a larger k is taken only if it beats the best so far by ``gain``
+            candidate = self.rate(rows, more)
+            if candidate > best * (1 + self.gain):
+                best, k = candidate, more
         self.undrafted = 0 if k else self.undrafted + 1
-        if not k and self.undrafted > self.explore and self.rate(rows, 1) >= (1 - self.margin) * plain:
-            k, self.undrafted = 1, 0
+        if not k and self.undrafted > self.explore:
+            # A probe drafts at the k that looks best; it is skipped only for a clear loss, judged on
+            # costs observed a few times (one slow first drafting step is not yet a clear loss).
+            probe = max(range(1, self.k_max + 1), key=lambda j: self.rate(rows, j))
+            seen = sum(count for _, count in self.draft_cost.values())
+            if seen < self.evidence or self.rate(rows, probe) >= (1 - self.margin) * plain:
+                k, self.undrafted = probe, 0
         self.last_choice = k
         return k
 
@@ -194,20 +206,23 @@ class LoadAware(FixedK):
         if not self.enabled:
             return
         if width:
-            self.count_acceptance(width, accepted)
+            self.count_acceptance(width, accepted, proposed, timing.get("budget_cut"))
         self.observe_costs(group.size, width, width, timing)
 
-    def count_acceptance(self, width: int, accepted: list[int]) -> None:
-        """Fold one step's accepted drafts per row into the per-position acceptance estimates."""
+    def count_acceptance(self, width: int, accepted: list[int], proposed: list[int] | None = None,
+                         budget_cut: list[bool] | None = None) -> None:
+        """Fold one step's accepted drafts per row into the per-position acceptance estimates.
+        budget_cut: rows whose drafts the token budget cut to ``proposed`` (the end of a request)."""
         while len(self.evaluated) < width:
             self.evaluated.append(0.0)
             self.accepted.append(0.0)
         evaluated, taken = [0] * width, [0] * width
-        for a in accepted:
+        for row, a in enumerate(accepted):
             # Slots 0..a were reached (a accepted, then a rejection or no draft at all: a row that
             # proposes fewer drafts, as prompt lookup without a match, gains nothing from the
-            # verified width it does not fill).
-            for j in range(min(a + 1, width)):
+            # verified width it does not fill; but slots past a row's token budget were never drafts).
+            reach = proposed[row] if budget_cut and budget_cut[row] else width
+            for j in range(min(a + 1, reach)):
                 evaluated[j] += 1
                 taken[j] += j < a
         for j in range(len(self.evaluated)):
@@ -348,7 +363,7 @@ class ConfidenceScheduler(LoadAware):
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         self.observe_costs(group.size, width, self.last_choice, timing)
         if width and accepted is not None:
-            self.count_acceptance(width, accepted)  # what ``promising`` expects of a probe
+            self.count_acceptance(width, accepted, proposed, timing.get("budget_cut"))  # what ``promising`` expects
         if self.pending is not None and accepted is not None:
             self.count_survival(self.pending, accepted)
         self.pending = None
@@ -458,6 +473,15 @@ def sizes_up_to(largest: int) -> list[int]:
 
 
 @torch.inference_mode()
+def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A profiled T(rows, width) with each width at least the time of the narrower ones at the same rows:
+    a pass over more tokens is never cheaper, and a noisy sample that says so would buy drafts for free."""
+    out = {}
+    for rows, width in sorted(table):
+        out[rows, width] = max(table[rows, width], out.get((rows, width - 1), 0.0))
+    return out
+
+
 def profile(target, sizes: list[int], widths: int, context: int, repeats: int) -> dict[tuple[int, int], float]:
     """Seconds of one verification pass of b rows x n tokens after ``context`` tokens, n = 1..widths
     (medians of ``repeats`` passes, backends.costs)."""
