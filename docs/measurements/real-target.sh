@@ -419,3 +419,10 @@ python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-ze
 python docs/measurements/parallel_bytes_ab.py smollm2-135m-q4_1 float32 524288,262144,131072,65536,32768 1,2
 python docs/measurements/parallel_bytes_ab.py Q8_0.gguf float32 524288,131072,65536,32768 1,2
 python docs/measurements/llamacpp_draft_pair.py $BIN 4 4 64 > $OUT/llamacpp-draft-pair-zen3-s21.txt
+git show 834cd54:src/specdec/models/kernels.c > B.c   # before the AVX2 attention tiles (268fd2c)
+python docs/measurements/attention_rows_ab.py 3 B.c src/specdec/models/kernels.c
+for run in 1 2; do   # the load-aware policy with the Q4_1 file drafting (docs/serving.md, twenty-first session)
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter draft-model --draft smollm2-135m-q4_1 -k 4 \
+    --modes plain fixed load-aware --concurrency 1 4 16 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
+    --tasks sharegpt --threads 2 --in-process --output $OUT/serve-qdraft-zen3-s21-$run.json
+done
