@@ -97,6 +97,11 @@ class LoadAware(FixedK):
 
     name = "load-aware"
     wants_counts = True
+    # A position's prior is the estimate before it, and the profile is made non-decreasing in width
+    # (the twenty-first session's estimates); the confidence scheduler, whose cut reads survivals
+    # corrected step by step, keeps the fixed prior and the raw profile (measured: DSpark served at
+    # one client 0.84x plain with these against 1.05x without).
+    smoothed = True
 
     def __init__(self, max_draft_tokens: int | None = None, decay: float = 0.98, prior: float = 0.7,
                  context: int = 64, repeats: int = 3, explore: int = 16, margin: float = 0.2,
@@ -135,7 +140,9 @@ class LoadAware(FixedK):
             return
         started = time.perf_counter()
         self.sizes = sizes
-        self.table = monotone(profile(engine.target, self.sizes, self.k_max + 1, self.context, self.repeats))
+        self.table = profile(engine.target, self.sizes, self.k_max + 1, self.context, self.repeats)
+        if self.smoothed:
+            self.table = monotone(self.table)
         self._profiled = key
         engine.profile_seconds = time.perf_counter() - started
 
@@ -158,11 +165,11 @@ class LoadAware(FixedK):
         seldom verified (a policy that settled on fewer drafts stops observing the later ones) is taken to
         behave like the one before it, not like the fixed prior: a drafter right 98% of the time is not
         held at 0.7 past the positions it happened to verify."""
-        prior = self.acceptance(position - 1) if position > 0 else self.prior
+        prior = self.acceptance(position - 1) if position > 0 and self.smoothed else self.prior
         if position < len(self.evaluated) and self.evaluated[position] > 0:
             weight = 2.0  # the prior counts as two observations
             return (self.accepted[position] + weight * prior) / (self.evaluated[position] + weight)
-        return prior
+        return self.acceptance(position - 1) if position > 0 else self.prior
 
     @staticmethod
     def nearest(values: dict[int, list], rows: int) -> float:
@@ -288,6 +295,7 @@ class ConfidenceScheduler(LoadAware):
     name = "confidence"
     wants_counts = True  # each row's accepted drafts correct the confidences' survivals
     needs_confidence = True
+    smoothed = False
 
     def __init__(self, max_draft_tokens: int | None = None, patience: int = 3, longest_wait: int = 256,
                  trust: float = 8.0, **options):
