@@ -508,7 +508,7 @@ class Group:
         if engine.stream:
             self._report(proposed, accepted, new_tokens, counts, verified[5], keep, updates)
         timing = {"draft": drafted + time.perf_counter() - tick, "step": time.perf_counter() - started}
-        if accepted is not None and drafting and not proposal.is_tree:
+        if engine.policy.wants_counts and drafting and accepted is not None and not proposal.is_tree:
             # rows the token budget cut short: their unfilled width says nothing of the drafter
             timing["budget_cut"] = (offered.lengths < drafted_in_full.lengths).tolist()
         engine.policy.observe(engine, self, proposal.k, proposed, accepted, timing)

@@ -165,11 +165,12 @@ class LoadAware(FixedK):
         seldom verified (a policy that settled on fewer drafts stops observing the later ones) is taken to
         behave like the one before it, not like the fixed prior: a drafter right 98% of the time is not
         held at 0.7 past the positions it happened to verify."""
-        prior = self.acceptance(position - 1) if position > 0 and self.smoothed else self.prior
+        before = self.acceptance(position - 1) if position > 0 else self.prior
         if position < len(self.evaluated) and self.evaluated[position] > 0:
             weight = 2.0  # the prior counts as two observations
+            prior = before if self.smoothed else self.prior
             return (self.accepted[position] + weight * prior) / (self.evaluated[position] + weight)
-        return self.acceptance(position - 1) if position > 0 else self.prior
+        return before
 
     @staticmethod
     def nearest(values: dict[int, list], rows: int) -> float:
@@ -190,21 +191,21 @@ class LoadAware(FixedK):
     def draft_tokens(self, engine, group) -> int:
         if not self.enabled:
             return engine.config.num_draft_tokens
-        rows, best, k = group.size, self.rate(group.size, 0), 0
-        plain = best
+        rows = group.size
+        rates = [self.rate(rows, j) for j in range(self.k_max + 1)]
+        k = 0
         for more in range(1, self.k_max + 1):
             # every k is weighed (a noisy profile can make one width look dear between two cheap ones);
             # a larger k is taken only if it beats the best so far by ``gain``
-            candidate = self.rate(rows, more)
-            if candidate > best * (1 + self.gain):
-                best, k = candidate, more
+            if rates[more] > rates[k] * (1 + self.gain):
+                k = more
         self.undrafted = 0 if k else self.undrafted + 1
         if not k and self.undrafted > self.explore:
             # A probe drafts at the k that looks best; it is skipped only for a clear loss, judged on
             # costs observed a few times (one slow first drafting step is not yet a clear loss).
-            probe = max(range(1, self.k_max + 1), key=lambda j: self.rate(rows, j))
+            probe = max(range(1, self.k_max + 1), key=rates.__getitem__)
             seen = sum(count for _, count in self.draft_cost.values())
-            if seen < self.evidence or self.rate(rows, probe) >= (1 - self.margin) * plain:
+            if seen < self.evidence or rates[probe] >= (1 - self.margin) * rates[0]:
                 k, self.undrafted = probe, 0
         self.last_choice = k
         return k
@@ -480,7 +481,6 @@ def sizes_up_to(largest: int) -> list[int]:
     return sizes + [largest]
 
 
-@torch.inference_mode()
 def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
     """A profiled T(rows, width) with each width at least the time of the narrower ones at the same rows:
     a pass over more tokens is never cheaper, and a noisy sample that says so would buy drafts for free."""
@@ -490,6 +490,7 @@ def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float
     return out
 
 
+@torch.inference_mode()
 def profile(target, sizes: list[int], widths: int, context: int, repeats: int) -> dict[tuple[int, int], float]:
     """Seconds of one verification pass of b rows x n tokens after ``context`` tokens, n = 1..widths
     (medians of ``repeats`` passes, backends.costs)."""

@@ -263,9 +263,8 @@ class NativeCache(RaggedCache):
         """Take ``other``'s columns (its keys and values in this cache's dtype, its rows' validity and
         positions): a cache of a model of the same shape, e.g. the prompt the target has just read, so
         a quantized copy of it need not read the prompt again. Rows and capacity must fit."""
-        batch, columns = self.kv.shape[2], other.columns
-        if other.kv.shape[2] != batch or other.kv.shape[:2] != self.kv.shape[:2] or \
-                other.kv.shape[3] != self.kv.shape[3] or other.kv.shape[5] != self.kv.shape[5]:
+        columns = other.columns
+        if other.kv.shape[:4] + other.kv.shape[5:] != self.kv.shape[:4] + self.kv.shape[5:]:  # all but capacity
             raise ValueError(f"cannot adopt a cache shaped {tuple(other.kv.shape)} into {tuple(self.kv.shape)}")
         if columns > self.capacity:
             self._reallocate(self.store.shape[2], columns, 0)

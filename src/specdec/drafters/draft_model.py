@@ -102,8 +102,7 @@ class DraftModel:
             self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, llama.drafter_qtype(self),
                                           rows=self.vocabulary)
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
-                                    self.vocabulary)
-        session.reads_prompt = not self.copies_target
+                                    self.vocabulary, adopts_prompt=self.copies_target)
         if self.vocabulary is not None:
             session.cache.logit_head = self.head
         return session
@@ -128,8 +127,9 @@ def copies(draft, target, rows: int = 256) -> bool:
 
 class DraftModelSession:
     def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int,
-                 vocabulary: torch.Tensor | None = None):
+                 vocabulary: torch.Tensor | None = None, adopts_prompt: bool = False):
         self.vocabulary = vocabulary  # the target ids of the head's rows, or None: the whole head
+        self.adopts_prompt = adopts_prompt  # a copy of the target: the target's keys and values of the prompt
         self.sampling = context.sampling
         self.generator = context.generator
         self.pad = context.target.pad_token_id
@@ -138,11 +138,9 @@ class DraftModelSession:
         self.tree = context.tree
         self.tree_base: torch.Tensor | None = None  # [B] committed tokens in the cache below a tree
 
-    reads_prompt = True  # False: the target's keys and values of the prompt are this cache's
-
     def adopt_prompt(self, cache) -> None:
         """After the target's prefill: its cache of the prompt becomes this cache's (a copy of the target)."""
-        if not self.reads_prompt:
+        if self.adopts_prompt:
             self.cache.adopt(cache)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1890,11 +1890,11 @@ static inline __attribute__((always_inline)) void score_tile_wide6(const float* 
 #if !defined(SD_WIDE) && defined(__AVX2__) && defined(__FMA__)
 /* Three rows against four keys at once on AVX2 (12 chains, three query vectors and a key: 16
  * registers), so each key is loaded and widened once for three rows instead of once per row. Each
- * chain is the one score_tile_1 runs (lane l over d = l, l + 8, ... in order) and four keys' lanes are
- * added in the same tree: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), so the scores are the same
- * bits. Two-byte keys only: measured on a Zen 3 (30 layers' attention, 9 query heads over 3 key heads,
- * context 200 + n, 2 threads), bfloat16 n = 4 / 16 / 64 0.87-0.90 / 0.79-0.85 / 0.78-0.85x the time;
- * float32 keys, which need no widening, 1.2x, so they keep one row per tile. */
+ * chain is the one score_tile_1 runs (lane l over d = l, l + 8, ... in order) and its lanes are added
+ * by the same tree_sums, so the scores are the same bits. Two-byte keys only: measured on a Zen 3 (30
+ * layers' attention, 9 query heads over 3 key heads, context 200 + n, 2 threads), bfloat16 n = 4 / 16 /
+ * 64 0.87-0.90 / 0.79-0.85 / 0.78-0.85x the time; float32 keys, which need no widening, 1.2x, so they
+ * keep one row per tile. */
 #define SCORE_ROWS_AVX2 3
 static inline __attribute__((always_inline)) void score_tile_3x4(const float* q, const void* keys, int dtype, long D,
                                                                  float scale, float* out, long ldo) {
@@ -1909,10 +1909,9 @@ static inline __attribute__((always_inline)) void score_tile_3x4(const float* q,
             for (int r = 0; r < 3; r++) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
         }
     }
-    for (int r = 0; r < 3; r++) {
-        __m256 g = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
-        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1));
-        _mm_storeu_ps(out + r * ldo, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    for (int r = 0; r < 3; r++) {  /* tree_sums of the four keys (twice): its first four lanes */
+        v8 four[8] = {acc[r][0], acc[r][1], acc[r][2], acc[r][3], acc[r][0], acc[r][1], acc[r][2], acc[r][3]};
+        _mm_storeu_ps(out + r * ldo, _mm_mul_ps(_mm256_castps256_ps128(tree_sums(four)), _mm_set1_ps(scale)));
     }
 }
 #endif
