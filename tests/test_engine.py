@@ -155,6 +155,40 @@ def test_drafting_switched_off_and_on_keeps_the_output(name, make, options, zoo_
     assert 0 in engine.stats.k_history and max(engine.stats.k_history) > 0
 
 
+class OneInFour(Alternate):
+    """Drafts k at every fourth step: three plain steps between, so a draft model falls 4+ tokens behind."""
+
+    def draft_tokens(self, engine, group):
+        self.calls += 1
+        return self.k if self.calls % 4 == 1 else 0
+
+
+def test_a_copy_of_the_target_catches_up_from_the_targets_cache(zoo_target, zoo_prompts, zoo_reference,
+                                                                monkeypatch):
+    """After steps that did not draft, the target's quantized copy takes the target's cache again instead of
+    reading the tokens it missed: every pass it runs reads one token (the pending one, then each draft),
+    under joins and leaves; another draft model reads what it missed."""
+    from specdec.backends.native import NativeCache
+
+    widths = {}
+    forward = NativeCache.forward
+
+    def recorded(cache, tokens, *args, **kwargs):
+        widths.setdefault(id(cache.model), []).append(tokens.shape[1])
+        return forward(cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(NativeCache, "forward", recorded)
+    for drafter, copy in ((DraftModel(zoo_path("target"), quantize="q8_0"), True), (DraftModel(zoo_path("draft")), False)):
+        engine = Engine(zoo_target, drafter, num_draft_tokens=3, policy=OneInFour(3))
+        assert run_arrivals(engine, zoo_prompts)[0] == zoo_reference
+        assert drafter.copies_target == copy
+        passes = widths.pop(id(drafter.backend.model))
+        if copy:
+            assert set(passes) == {1}
+        else:
+            assert max(passes) >= 4
+
+
 @pytest.mark.parametrize("variant,drafter", [("layerskip", lambda: EarlyExit()),
                                              ("layerskip", lambda: EarlyExit(reuse_kv=False)),
                                              ("mtp", lambda: MTP()), ("mtp-parallel", lambda: MTP())])

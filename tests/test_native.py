@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.errors import UnsupportedModelError
 from specdec.backends.native import NativeBackend
+from specdec.backends.target import Target
 from specdec.commands.tiny import save_tiny
 
 ATOL = 5e-5
@@ -195,6 +196,39 @@ def test_rows_leave_and_join_in_place_and_each_row_stays_exact(models):
     for _ in range(2):
         step_and_check(cache, rows)
     assert torch.isfinite(cache.kv).all()
+
+
+def test_a_cohort_read_in_groups_fills_one_cache(models, monkeypatch):
+    """The engine's grouped prefill: each group's prompts read in a cache of just their columns, then placed
+    in the cohort's one cache (its capacity, the cohort's row order, holes on the right of narrower rows,
+    zeros there); every row then decodes as it does alone. A cache that holds columns refuses."""
+    from specdec.engine import prefill
+
+    backend, hf_model = models["llama"]
+    target = Target(backend=backend)
+    generator = torch.Generator().manual_seed(5)
+    lengths = [3, 40, 5, 38, 4]
+    rows = [torch.randint(0, backend.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    width = max(lengths)
+    tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    made, new_cache = [], backend.new_cache
+    monkeypatch.setattr(backend, "new_cache", lambda batch, capacity=None: made.append((batch, capacity)) or
+                        new_cache(batch, capacity))
+    cache, logits, _ = prefill(target, tokens, valid, 64, (), [[0, 2, 4], [1, 3]])
+    assert made == [(5, 64), (3, 5), (2, 40)]  # one cache of the cohort's capacity; each group's as wide as it reads
+    assert cache.capacity == 64 and cache.columns == width and cache.lengths.tolist() == lengths
+    for b, row in enumerate(rows):
+        assert (logits[b, -1] - reference(hf_model, row)[-1]).abs().max() < ATOL, b
+        narrow = max(lengths[i] for i in ([0, 2, 4] if b in (0, 2, 4) else [1, 3]))
+        assert not cache.valid[b, narrow:].any() and not cache.kv[:, :, b, :, narrow:width].any()
+        assert cache.positions[b, cache.valid[b]].tolist() == list(range(len(row)))
+    block = torch.randint(0, backend.vocab_size, (len(rows), 2), generator=generator)
+    logits, _ = cache.forward(block, ones(block), logits_to_keep=2)
+    for b, row in enumerate(rows):
+        assert (logits[b] - reference(hf_model, row + block[b].tolist())[-2:]).abs().max() < ATOL, b
+    with pytest.raises(ValueError, match="without columns"):
+        cache.place([(torch.tensor([0]), backend.new_cache(1, 4))])
 
 
 def test_cache_grows_when_a_block_passes_its_capacity(models):

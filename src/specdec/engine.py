@@ -313,21 +313,29 @@ def prefill(target: Target, tokens: torch.Tensor, valid: torch.Tensor, capacity:
         logits, hidden = target.forward(cache, tokens, valid, logits_to_keep=1, hidden_layers=layers)
         return cache, logits, hidden
     width = tokens.shape[1]
-    cache, parts = None, []
+    whole = target.new_cache(tokens.shape[0], capacity)
+    placing = hasattr(whole, "place")  # a cache that takes its rows from caches of each group (native)
+    cache, parts, caches = None, [], []
     for rows in groups:
         index = torch.tensor(rows, device=tokens.device)
         used = int(valid[index].sum(1).max())
-        part = target.new_cache(len(rows), capacity)
+        part = target.new_cache(len(rows), used if placing else capacity)
         parts.append((index, used, *target.forward(part, tokens[index, width - used:], valid[index, width - used:],
                                                    logits_to_keep=1, hidden_layers=layers)))
-        if cache is None:
+        if placing:
+            caches.append((index, part))
+        elif cache is None:
             cache = part
         else:
             cache.extend(part)
     order = torch.cat([index for index, *_ in parts])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    cache.select_rows(inverse)
+    if placing:
+        whole.place(caches)
+        cache = whole
+    else:
+        cache.select_rows(inverse)
     logits = torch.cat([part_logits for _, _, part_logits, _ in parts])[inverse]
     hidden = None
     if layers:

@@ -272,6 +272,34 @@ class NativeCache(RaggedCache):
         self.valid, self.positions = other.valid.clone(), other.positions.clone()
         self.lengths = other.lengths.clone()
 
+    @torch.inference_mode()
+    def place(self, parts: list[tuple[torch.Tensor, "NativeCache"]]) -> None:
+        """Fill this cache, still without columns, from ``parts``: (rows ``index`` of this cache, a cache
+        of just those rows), e.g. a cohort's prompts read group by group. Each part's columns go to its
+        rows as they are; a narrower part's rows get holes on the right (zeros: attention adds 0 x value),
+        the layout ``extend`` makes. One store of this cache's capacity is written, instead of one per
+        part extended into the next and the rows put back in order (measured: 16 ShareGPT prompts in 6
+        groups spent more time copying caches than reading prompts)."""
+        if self.columns:
+            raise ValueError("place fills a cache without columns")
+        columns = max(part.columns for _, part in parts)
+        if columns > self.capacity:
+            self._reallocate(self.store.shape[2], columns, 0)
+        batch = self.batch_size
+        valid = torch.zeros(batch, columns, dtype=torch.bool, device=self.valid.device)
+        positions = torch.zeros(batch, columns, dtype=torch.long, device=self.valid.device)
+        lengths = torch.zeros_like(self.lengths)
+        for index, part in parts:
+            width = part.columns
+            for slot, row in enumerate(index.tolist()):
+                self.kv[:, :, row, :, :width] = part.kv[:, :, slot, :, :width]
+                self.kv[:, :, row, :, width:columns] = 0
+            valid[index, :width] = part.valid
+            positions[index, :width] = part.positions
+            lengths[index] = part.lengths
+            self.grown += part.grown
+        self.valid, self.positions, self.lengths = valid, positions, lengths
+
     def _truncated(self, stop: int) -> None:
         pass  # columns from ``stop`` on are overwritten by the next block
 
