@@ -373,7 +373,15 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     assert policy.acceptance(3) == pytest.approx(policy.acceptance(1), abs=0.01)
     assert policy.acceptance(3) > 0.95                                                      # not the prior 0.7
     assert monotone({(1, 1): 2.0, (1, 2): 3.0, (1, 3): 2.5, (2, 1): 4.0, (2, 2): 3.5}) == \
-        {(1, 1): 2.0, (1, 2): 3.0, (1, 3): 3.0, (2, 1): 4.0, (2, 2): 4.0}
+        {(1, 1): 2.0, (1, 2): 2.5, (1, 3): 2.5, (2, 1): 3.5, (2, 2): 3.5}
+    # A profile with one slow sample (width 3) does not hide the wider passes: a drafter right 98% of the
+    # time at a draft cost of a third of a pass drafts its most, as it does on the clean profile.
+    clean = {(1, n): 1e-3 * (1 + 0.05 * n) for n in range(1, 6)}
+    for table in (clean, {**clean, (1, 3): 3e-3}):
+        policy = LoadAware(max_draft_tokens=4, table=monotone(table))
+        policy.k_max, policy.draft_cost = 4, {1: [0.35e-3, 8]}
+        policy.evaluated, policy.accepted = [50.0, 0.0, 0.0, 0.0], [49.0, 0.0, 0.0, 0.0]
+        assert policy.draft_tokens(None, Rows(1)) == 4
     # One drafting step seen, made dear by a one-off: drafting looks like a clear loss, yet a probe follows.
     policy = synthetic(lambda b, n: 1e-3, 0.98)
     policy.draft_cost = {1: [0.05, 1]}
