@@ -426,3 +426,16 @@ for run in 1 2; do   # the load-aware policy with the Q4_1 file drafting (docs/s
     --modes plain fixed load-aware --concurrency 1 4 16 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
     --tasks sharegpt --threads 2 --in-process --output $OUT/serve-qdraft-zen3-s21-$run.json
 done
+
+# ---- twenty-second session: the same Zen 3 model (AMD EPYC family 25 model 1); the serving engine's upkeep ----
+git worktree add /tmp/old 2df9756   # the code before: PYTHONPATH=/tmp/old/src runs it
+for run in 1 2; do for mode in plain load-aware; do for v in before after; do
+  if [ $v = before ]; then export PYTHONPATH=/tmp/old/src; else unset PYTHONPATH; fi
+  echo "== $v $mode $run"; python docs/measurements/serve_upkeep.py 16 $mode
+done; done; done > $OUT/serve-upkeep-zen3-s22.txt 2>&1
+for run in 1 2; do for v in after before; do   # served, alternating
+  if [ $v = before ]; then export PYTHONPATH=/tmp/old/src; else unset PYTHONPATH; fi
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter draft-model --draft smollm2-135m-q4_1 -k 4 \
+    --modes plain fixed load-aware --concurrency 1 4 16 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
+    --tasks sharegpt --threads 2 --in-process --output $OUT/serve-qdraft-zen3-s22-$v-$run.json
+done; done
