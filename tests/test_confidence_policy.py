@@ -306,7 +306,7 @@ def test_scheduler_stops_drafting_when_drafting_costs_more_than_the_kept_drafts_
             k = policy.draft_tokens(None, group)
             choices.append(k)
             if k:
-                policy.draft_cost[bucket(4)] = [drafting / k, 1]  # seconds per draft, as observed online
+                policy.draft_cost[bucket(4)] = {k: [drafting, 1]}  # seconds of the step's drafting, as observed online
                 proposal = Proposal(torch.randint(0, 300, (4, k)), torch.full((4,), k),
                                     confidence=torch.full((4, k), confident))
                 assert bool(policy.cut(None, group, proposal).lengths.any())  # verifying them pays once drafted

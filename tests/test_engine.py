@@ -361,6 +361,56 @@ def test_load_aware_drafts_less_as_verification_gets_dearer():
     assert policy.draft_tokens(None, Rows(1)) == 2
 
 
+def test_load_aware_charges_a_drafting_steps_fixed_part_once():
+    """Drafting cost as a line a + b k through the costs seen at each k (served at one client: 6.5 ms for
+    one draft, 18 ms for four, a fixed part from the catch-up, the bookkeeping and the server's threads):
+    four drafts are not charged four times one, and a drafter right 98% of the time drafts its most.
+    With one k seen, that k's cost per draft times k; a line that would start below 0 goes through it."""
+    policy = LoadAware(max_draft_tokens=4, table={(1, n): 1e-3 * (9 + 0.5 * (n - 1)) for n in range(1, 6)})
+    policy.k_max = 4
+    policy.evaluated, policy.accepted = [60.0, 30.0, 20.0, 10.0], [59.0, 29.5, 19.7, 9.8]
+    policy.overhead = {False: {1: [0.3e-3, 50]}, True: {1: [3e-3, 33]}}
+    policy.draft_cost = {1: {1: [6.5e-3, 30], 4: [18e-3, 3]}}
+    assert policy.drafting_seconds(1, 4) == pytest.approx(18e-3, rel=0.02)
+    assert policy.drafting_seconds(1, 2) == pytest.approx(10.3e-3, rel=0.02)
+    assert policy.draft_tokens(None, Rows(1)) == 4
+    policy.draft_cost = {1: {1: [6.5e-3, 30]}}
+    assert policy.drafting_seconds(1, 4) == pytest.approx(26e-3)
+    policy.draft_cost = {1: {1: [5e-3, 10], 2: [12e-3, 10]}}     # no fixed part: the line through 0
+    assert policy.drafting_seconds(1, 1) == pytest.approx(5.8e-3)
+    assert policy.drafting_seconds(1, 0) == 0.0
+
+
+def test_the_profile_times_widths_in_turn_and_keeps_each_ones_least(monkeypatch):
+    """A slow spell of the machine during the start-up profile (here 12 passes in a row at 5x their cost)
+    lands on every width alike and leaves no width's estimate above its own cost, where timing each width's
+    passes one after the other put the whole spell on one or two widths."""
+    from specdec.backends import costs
+
+    clock = {"now": 0.0, "calls": 0}
+
+    class Cache:
+        lengths = torch.zeros(1, dtype=torch.long)
+
+        def forward(self, tokens, valid, logits_to_keep=1):
+            clock["calls"] += 1
+            spell = 20 <= clock["calls"] < 32
+            clock["now"] += (1e-3 * (1 + 0.1 * tokens.shape[1]) if tokens.shape[1] <= 8 else 0.0) * (5 if spell else 1)
+
+        def truncate(self, lengths):
+            pass
+
+    class Backend:
+        vocab_size, device, name = 50, "cpu", "fake"
+
+        def new_cache(self, rows, capacity):
+            return Cache()
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
+    times = costs.forward_times(Backend(), range(1, 6), 16, repeats=3)
+    assert times == pytest.approx({n: 1e-3 * (1 + 0.1 * n) for n in range(1, 6)})
+
+
 def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     """Positions a policy stopped verifying take the estimate of the one before (not the fixed prior), a
     profile's noisy dip is lifted (a wider pass is never cheaper), and one slow first drafting step is not
@@ -379,12 +429,12 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     clean = {(1, n): 1e-3 * (1 + 0.05 * n) for n in range(1, 6)}
     for table in (clean, {**clean, (1, 3): 3e-3}):
         policy = LoadAware(max_draft_tokens=4, table=monotone(table))
-        policy.k_max, policy.draft_cost = 4, {1: [0.35e-3, 8]}
+        policy.k_max, policy.draft_cost = 4, {1: {4: [1.4e-3, 8]}}
         policy.evaluated, policy.accepted = [50.0, 0.0, 0.0, 0.0], [49.0, 0.0, 0.0, 0.0]
         assert policy.draft_tokens(None, Rows(1)) == 4
     # One drafting step seen, made dear by a one-off: drafting looks like a clear loss, yet a probe follows.
     policy = synthetic(lambda b, n: 1e-3, 0.98)
-    policy.draft_cost = {1: [0.05, 1]}
+    policy.draft_cost = {1: {4: [0.2, 1]}}
     choices = [policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2)]
     assert choices[:policy.explore] == [0] * policy.explore and max(choices) >= 1
     # A row the token budget cut to 2 drafts, both accepted, shows no rejection at the third slot.
@@ -393,7 +443,7 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
         policy.count_acceptance(4, [2], [2], [cut])
         assert policy.evaluated[:3] == [1.0, 1.0, third] and policy.accepted[:3] == [1.0, 1.0, 0.0]
     # Seen often enough, the same loss is clear: no probe.
-    policy.draft_cost, policy.undrafted = {1: [0.05, policy.evidence]}, 0
+    policy.draft_cost, policy.undrafted = {1: {4: [0.2, policy.evidence]}}, 0
     assert not any(policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2))
 
 

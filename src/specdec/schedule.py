@@ -116,7 +116,8 @@ class LoadAware(FixedK):
         self.table: dict[tuple[int, int], float] = dict(table or {})  # (rows, tokens per row) -> seconds of one pass
         self.accepted: list[float] = []    # decayed counts per position: accepted
         self.evaluated: list[float] = []   # ... and evaluated (reached: every earlier draft accepted)
-        self.draft_cost: dict[int, list] = {}  # batch size -> [seconds per draft token, observations]
+        # batch-size pool -> {drafts per row: [seconds of the step's drafting, observations]}
+        self.draft_cost: dict[int, dict[int, list]] = {}
         self.overhead = {False: {}, True: {}}  # plain / speculative step: batch size -> [seconds beyond the passes, n]
         self.enabled = True
         self.last_choice = 0
@@ -178,13 +179,38 @@ class LoadAware(FixedK):
         pool = bucket(rows)
         return values[min(values, key=lambda b: abs(b.bit_length() - pool.bit_length()))][0] if values else 0.0
 
+    def drafting_seconds(self, rows: int, k: int) -> float:
+        """Seconds a step spends drafting k tokens per row, from the steps observed in the nearest
+        batch-size pool: a line a + b k through the costs seen at each k (weighted by how often), so the
+        part of a drafting step that does not grow with k (the catch-up, the bookkeeping, in a server the
+        threads beside the engine) is not charged once per draft; with one k seen, its cost per draft
+        times k. 0 before any drafting step."""
+        if not k or not self.draft_cost:
+            return 0.0
+        pool = bucket(rows)
+        points = self.draft_cost[min(self.draft_cost, key=lambda b: abs(b.bit_length() - pool.bit_length()))]
+        if len(points) == 1:
+            (seen, (seconds, _)), = points.items()
+            return seconds * k / seen
+        weights = {j: count for j, (_, count) in points.items()}
+        total = sum(weights.values())
+        mean_k = sum(w * j for j, w in weights.items()) / total
+        mean_c = sum(w * points[j][0] for j, w in weights.items()) / total
+        spread = sum(w * (j - mean_k) ** 2 for j, w in weights.items())
+        slope = max(0.0, sum(w * (j - mean_k) * (points[j][0] - mean_c) for j, w in weights.items()) / spread)
+        fixed = mean_c - slope * mean_k
+        if fixed < 0:  # no fixed part: the line through the origin
+            fixed, slope = 0.0, sum(w * j * points[j][0] for j, w in weights.items()) / sum(
+                w * j * j for j, w in weights.items())
+        return fixed + slope * k
+
     def rate(self, rows: int, k: int) -> float:
         """Expected committed tokens per second of a step with k drafts per row."""
         survival, tokens = 1.0, 1.0
         for position in range(k):
             survival *= self.acceptance(position)
             tokens += survival
-        cost = (self.verify_seconds(rows, k + 1) + k * self.nearest(self.draft_cost, rows)
+        cost = (self.verify_seconds(rows, k + 1) + self.drafting_seconds(rows, k)
                 + self.nearest(self.overhead[k > 0], rows))
         return rows * tokens / cost
 
@@ -204,7 +230,7 @@ class LoadAware(FixedK):
             # A probe drafts at the k that looks best; it is skipped only for a clear loss, judged on
             # costs observed a few times (one slow first drafting step is not yet a clear loss).
             probe = max(range(1, self.k_max + 1), key=rates.__getitem__)
-            seen = sum(count for _, count in self.draft_cost.values())
+            seen = sum(count for points in self.draft_cost.values() for _, count in points.values())
             if seen < self.evidence or rates[probe] >= (1 - self.margin) * rates[0]:
                 k, self.undrafted = probe, 0
         self.last_choice = k
@@ -238,10 +264,10 @@ class LoadAware(FixedK):
             self.accepted[j] = self.decay * self.accepted[j] + (taken[j] if j < width else 0)
 
     def observe_costs(self, rows: int, width: int, drafted: int, timing: dict) -> None:
-        """Fold one step's timing into the drafting cost (per draft of the ``drafted`` per row) and the
+        """Fold one step's timing into the drafting cost (of ``drafted`` drafts per row) and the
         overhead beyond the verification pass of ``width`` drafts per row."""
         if drafted:
-            blend(self.draft_cost, bucket(rows), timing["draft"] / drafted, self.decay)
+            blend(self.draft_cost.setdefault(bucket(rows), {}), drafted, timing["draft"], self.decay)
         extra = max(0.0, timing["step"] - timing["draft"] - self.verify_seconds(rows, width + 1))
         blend(self.overhead[bool(width)], bucket(rows), extra, self.decay)  # a speculative step's bookkeeping costs more
 
@@ -331,7 +357,7 @@ class ConfidenceScheduler(LoadAware):
         far (every row drafting, the best number of drafts kept), comes within ``margin`` of a plain
         step's rate: its whole drafting pass, the verification and the overhead counted."""
         plain = self.rate(rows, 0)
-        spent = self.k_max * self.nearest(self.draft_cost, rows) + self.nearest(self.overhead[True], rows)
+        spent = self.drafting_seconds(rows, self.k_max) + self.nearest(self.overhead[True], rows)
         survival, tokens, best = 1.0, 1.0, 0.0
         for position in range(self.k_max):
             survival *= self.acceptance(position)
@@ -354,7 +380,7 @@ class ConfidenceScheduler(LoadAware):
     def cut(self, engine, group, proposal: Proposal) -> Proposal:
         confidence = proposal_confidence(engine, proposal, self.name)
         rows, width = proposal.tokens.shape[0], min(proposal.k, self.k_max)
-        drafting = proposal.k * self.nearest(self.draft_cost, rows)  # spent already, in every choice alike
+        drafting = self.drafting_seconds(rows, proposal.k)  # spent already, in every choice alike
         costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.nearest(self.overhead[n > 0], rows)
                               for n in range(width + 1)], dtype=torch.float64)
         raw = survivals(confidence[:, :width])
@@ -495,12 +521,16 @@ def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float
 
 @torch.inference_mode()
 def profile(target, sizes: list[int], widths: int, context: int, repeats: int) -> dict[tuple[int, int], float]:
-    """Seconds of one verification pass of b rows x n tokens after ``context`` tokens, n = 1..widths
-    (medians of ``repeats`` passes, backends.costs)."""
-    from specdec.backends.costs import forward_time
+    """Seconds of one verification pass of b rows x n tokens after ``context`` tokens, n = 1..widths: at
+    each batch size the widths timed in turn, ``repeats`` rounds, each width's least time
+    (backends.costs.forward_times; a one-off slow spell at start-up once held a served drafter at k = 1)."""
+    from specdec.backends.costs import forward_times
 
-    return {(rows, width): forward_time(target.backend, width, context, repeats, rows=rows)
-            for rows in sizes for width in range(1, widths + 1)}
+    table = {}
+    for rows in sizes:
+        times = forward_times(target.backend, range(1, widths + 1), context, repeats, rows=rows)
+        table.update({(rows, width): seconds for width, seconds in times.items()})
+    return table
 
 
 POLICY_FORMS = "fixed, load-aware, confidence, conf-min:X (0 < X < 1) or static:SIZE=K,..."

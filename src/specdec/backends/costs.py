@@ -30,6 +30,32 @@ def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers
     return statistics.median(times[3:])
 
 
+def forward_times(backend, widths, context: int, repeats: int = 3, rows: int = 1) -> dict[int, float]:
+    """Seconds of one forward pass of n new tokens per row for each n in ``widths`` (``rows`` rows, after
+    ``context`` cached tokens): the widths timed in turn, round after round (the first round only warms each
+    shape up), and each width's least time. A slow spell of the machine (another thread, a noisy neighbour)
+    then lands on every width alike instead of on one width's consecutive passes, and a timing only ever
+    comes out slow, so the least is the pass's own cost."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, device = backend.vocab_size, backend.device
+    cache = backend.new_cache(rows, context + max(widths) + 8)
+    cache.forward(torch.randint(vocab, (rows, context), generator=generator).to(device), None)
+    blocks = {n: torch.randint(vocab, (rows, n), generator=generator).to(device) for n in widths}
+    from specdec.models import kernels
+
+    best = dict.fromkeys(widths, float("inf"))
+    with kernels.torch_single_threaded(getattr(backend, "name", None) == "native"):  # as the engine's steps run
+        for round_ in range(repeats + 1):
+            for n in widths:
+                start = time.perf_counter()
+                cache.forward(blocks[n], None, logits_to_keep=n)
+                elapsed = time.perf_counter() - start
+                cache.truncate(cache.lengths - n)
+                if round_:
+                    best[n] = min(best[n], elapsed)
+    return best
+
+
 def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
     """Bytes per second a sum over a buffer far larger than the caches streams from memory (torch's
     threads): what reading every weight once per forward pass can at best run at."""
