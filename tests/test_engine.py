@@ -413,8 +413,8 @@ def test_the_profile_times_widths_in_turn_and_keeps_each_ones_least(monkeypatch)
 
 def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     """Positions a policy stopped verifying take the estimate of the one before (not the fixed prior), a
-    profile's noisy dip is lifted (a wider pass is never cheaper), and one slow first drafting step is not
-    yet a clear loss: after ``explore`` plain steps a probe drafts at the k that looks best."""
+    profile's slow sample does not hide the wider passes (a wider pass is never cheaper), and one slow first
+    drafting step is not yet a clear loss: the next step probes at the k that looks best."""
     from specdec.schedule import monotone
 
     policy = synthetic(lambda b, n: 1e-3, 0.98)
@@ -432,11 +432,11 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
         policy.k_max, policy.draft_cost = 4, {1: {4: [1.4e-3, 8]}}
         policy.evaluated, policy.accepted = [50.0, 0.0, 0.0, 0.0], [49.0, 0.0, 0.0, 0.0]
         assert policy.draft_tokens(None, Rows(1)) == 4
-    # One drafting step seen, made dear by a one-off: drafting looks like a clear loss, yet a probe follows.
+    # One drafting step seen, made dear by a one-off: drafting looks like a clear loss, yet the next step
+    # probes (no ``explore`` plain steps first), and so on until the costs were seen ``evidence`` times.
     policy = synthetic(lambda b, n: 1e-3, 0.98)
     policy.draft_cost = {1: {4: [0.2, 1]}}
-    choices = [policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2)]
-    assert choices[:policy.explore] == [0] * policy.explore and max(choices) >= 1
+    assert policy.draft_tokens(None, Rows(1)) >= 1
     # A row the token budget cut to 2 drafts, both accepted, shows no rejection at the third slot.
     for cut, third in ((True, 0.0), (False, 1.0)):
         policy.evaluated, policy.accepted = [0.0] * 4, [0.0] * 4

@@ -439,3 +439,16 @@ for run in 1 2; do for v in after before; do   # served, alternating
     --modes plain fixed load-aware --concurrency 1 4 16 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
     --tasks sharegpt --threads 2 --in-process --output $OUT/serve-qdraft-zen3-s22-$v-$run.json
 done; done
+git worktree add /tmp/mid bb39d28   # the policy before its estimates changed; the same served command, alternating
+for run in 1 2; do for v in after before; do
+  if [ $v = before ]; then export PYTHONPATH=/tmp/mid/src; else unset PYTHONPATH; fi
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter draft-model --draft smollm2-135m-q4_1 -k 4 \
+    --modes plain fixed load-aware --concurrency 1 4 16 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
+    --tasks sharegpt --threads 2 --in-process --output $OUT/serve-policy-zen3-s22-$v-$run.json
+done; done
+unset PYTHONPATH
+for run in 1 2; do   # the DSpark confidence scheduler with the new profile and drafting cost
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
+    --concurrency 1 4 16 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
+    --in-process --output $OUT/dspark-serve-s22-$run.json
+done

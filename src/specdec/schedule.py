@@ -226,11 +226,14 @@ class LoadAware(FixedK):
             if rates[more] > rates[k] * (1 + self.gain):
                 k = more
         self.undrafted = 0 if k else self.undrafted + 1
-        if not k and self.undrafted > self.explore:
+        seen = sum(count for points in self.draft_cost.values() for _, count in points.values())
+        if not k and (0 < seen < self.evidence or self.undrafted > self.explore):
             # A probe drafts at the k that looks best; it is skipped only for a clear loss, judged on
-            # costs observed a few times (one slow first drafting step is not yet a clear loss).
+            # costs observed a few times. Until then a plain step that only the drafting seen so far
+            # decided is followed by a probe at once: one slow first drafting step (a server's first
+            # passes) is not yet a clear loss, nor worth ``explore`` plain steps. (Before any drafting
+            # step the estimates charge none, so a plain choice then is the verification's alone.)
             probe = max(range(1, self.k_max + 1), key=rates.__getitem__)
-            seen = sum(count for points in self.draft_cost.values() for _, count in points.values())
             if seen < self.evidence or rates[probe] >= (1 - self.margin) * rates[0]:
                 k, self.undrafted = probe, 0
         self.last_choice = k
