@@ -95,7 +95,7 @@ def test_extended_caches_compute_what_each_row_computes_alone(targets):
         target.forward(second, b)
         first.extend(second)
         if hasattr(first, "kv"):
-            assert torch.isfinite(first.kv).all(), arch
+            assert torch.isfinite(first.kv[..., :first.columns, :]).all(), arch  # holes zeroed
         step = torch.tensor([[11], [12], [13]])
         logits, _ = target.forward(first, step)
         for row, prompt in enumerate([a[0], a[1], b[0]]):

@@ -332,7 +332,7 @@ def test_keys_and_values_alone_are_those_the_whole_layer_writes(arch, dtype, mod
                 llama.decoder_layer_from(model, index, x, 1e-6, x, params, kv, None)
             else:
                 llama.layer_keys_values(model, index, x, 1e-6, params, kv)
-        caches.append(kv)
+        caches.append(kv[..., :n, :])  # the columns written (a new cache is uninitialised past them)
     assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])
 
 

@@ -155,6 +155,33 @@ def test_drafting_switched_off_and_on_keeps_the_output(name, make, options, zoo_
     assert 0 in engine.stats.k_history and max(engine.stats.k_history) > 0
 
 
+def nan_caches(monkeypatch):
+    """New native KV stores filled with NaN instead of left uninitialised: a column read before a pass wrote
+    it (or before it was zeroed as a hole) turns its row's logits to NaN."""
+    from specdec.models import llama
+
+    new_kv = llama.new_kv
+    monkeypatch.setattr(llama, "new_kv", lambda model, batch, capacity: new_kv(model, batch, capacity).fill_(float("nan")))
+
+
+@pytest.mark.parametrize("name,make,options", [d for d in zoo_drafters() if d[0] in (
+    "none", "draft-model copy", "draft-model tree", "eagle3 tree", "dflash", "lookahead tree")],
+    ids=lambda d: d if isinstance(d, str) else "")
+def test_caches_read_only_columns_written_before(name, make, options, zoo_target, zoo_prompts, zoo_reference,
+                                                 monkeypatch):
+    """KV stores are allocated uninitialised (llama.new_kv). Filled with NaN here, requests joining and
+    leaving (stores reallocated, rows moved, holes), prompts of unequal lengths read in groups, drafting
+    switched off and on, trees and lookahead's branch: each prompt still gets what it gets alone."""
+    texts = [TEXTS[0], TEXTS[1] * 6, "x", TEXTS[2] * 2, TEXTS[3] * 12]
+    prompts, budgets = zoo_target.encode(texts), [10] * len(texts)
+    expected = alone(zoo_target, prompts, budgets)
+    nan_caches(monkeypatch)
+    engine = Engine(zoo_target, make(), num_draft_tokens=3, policy=Alternate(3), **options)
+    assert run_arrivals(engine, zoo_prompts)[0] == zoo_reference, name
+    engine = Engine(zoo_target, make(), num_draft_tokens=3, **options)
+    assert run_arrivals(engine, prompts, budgets, arrivals=[0] * len(prompts))[0] == expected, name
+
+
 class OneInFour(Alternate):
     """Drafts k at every fourth step: three plain steps between, so a draft model falls 4+ tokens behind."""
 

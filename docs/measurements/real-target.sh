@@ -452,3 +452,8 @@ for run in 1 2; do   # the DSpark confidence scheduler with the new profile and 
     --concurrency 1 4 16 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
     --in-process --output $OUT/dspark-serve-s22-$run.json
 done
+git worktree add /tmp/head 8e27577   # caches zeroed at allocation; the same trace against uninitialised caches
+for run in 1 2; do for mode in plain load-aware; do for v in before after; do
+  if [ $v = before ]; then export PYTHONPATH=/tmp/head/src; else unset PYTHONPATH; fi
+  echo "== $v $mode $run"; python docs/measurements/serve_upkeep.py 16 $mode
+done; done; done > $OUT/serve-upkeep-empty-zen3-s22.txt 2>&1

@@ -250,9 +250,8 @@ class NativeCache(RaggedCache):
 
     def _reallocate(self, rows: int, capacity: int, columns: int) -> None:
         """A new store of ``rows`` rows and ``capacity`` columns holding the batch's first ``columns``
-        columns (the rest zero)."""
-        store = self.store.new_zeros(*self.store.shape[:2], rows, *self.store.shape[3:4], capacity,
-                                     self.store.shape[5])
+        columns (the rest unwritten: the next block, or ``extend``'s holes, writes it before it is read)."""
+        store = llama.new_kv(self.model, rows, capacity)
         batch = self.kv.shape[2]
         store[:, :, :batch, :, :columns] = self.kv[:, :, :, :, :columns]
         self.store, self.kv = store, store[:, :, :batch]

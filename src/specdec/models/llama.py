@@ -155,8 +155,11 @@ class Llama:
 # The forward pass.
 
 def new_kv(model: Llama, batch: int, capacity: int) -> torch.Tensor:
-    """A KV cache: [layers, 2 (keys, values), B, kv, capacity, D], keys in pair order."""
-    return torch.zeros(len(model.layers), 2, batch, model.kv_heads, capacity, model.head_dim,
+    """A KV cache: [layers, 2 (keys, values), B, kv, capacity, D], keys in pair order, uninitialised: every
+    column a pass reads was written by a pass before it or zeroed as a hole (``NativeCache.extend`` and
+    ``place``), so the capacity past the columns in use is never touched (zeroing a 16-row cache of 890
+    columns took 100 ms at every admission; tests/test_engine.py fills new caches with NaN to check)."""
+    return torch.empty(len(model.layers), 2, batch, model.kv_heads, capacity, model.head_dim,
                        dtype=model.dtype, device=model.device)
 
 
