@@ -457,3 +457,4 @@ for run in 1 2; do for mode in plain load-aware; do for v in before after; do
   if [ $v = before ]; then export PYTHONPATH=/tmp/head/src; else unset PYTHONPATH; fi
   echo "== $v $mode $run"; python docs/measurements/serve_upkeep.py 16 $mode
 done; done; done > $OUT/serve-upkeep-empty-zen3-s22.txt 2>&1
+specdec demo > $OUT/demo-zen3-s22.txt 2>&1   # the README first command after this session's changes
