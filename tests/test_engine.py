@@ -419,7 +419,7 @@ def test_the_profile_times_widths_in_turn_and_keeps_each_ones_least(monkeypatch)
     class Cache:
         lengths = torch.zeros(1, dtype=torch.long)
 
-        def forward(self, tokens, valid, logits_to_keep=1):
+        def forward(self, tokens, valid, logits_to_keep=1, hidden_layers=()):
             clock["calls"] += 1
             spell = 20 <= clock["calls"] < 32
             clock["now"] += (1e-3 * (1 + 0.1 * tokens.shape[1]) if tokens.shape[1] <= 8 else 0.0) * (5 if spell else 1)

@@ -314,34 +314,30 @@ def prefill(target: Target, tokens: torch.Tensor, valid: torch.Tensor, capacity:
         return cache, logits, hidden
     width = tokens.shape[1]
     whole = target.new_cache(tokens.shape[0], capacity)
-    placing = hasattr(whole, "place")  # a cache that takes its rows from caches of each group (native)
-    cache, parts, caches = None, [], []
+    parts = []
     for rows in groups:
         index = torch.tensor(rows, device=tokens.device)
         used = int(valid[index].sum(1).max())
-        part = target.new_cache(len(rows), used if placing else capacity)
+        part = target.new_cache(len(rows), used)  # as wide as its prompts (transformers' caches grow anyway)
         parts.append((index, used, *target.forward(part, tokens[index, width - used:], valid[index, width - used:],
-                                                   logits_to_keep=1, hidden_layers=layers)))
-        if placing:
-            caches.append((index, part))
-        elif cache is None:
-            cache = part
-        else:
-            cache.extend(part)
+                                                   logits_to_keep=1, hidden_layers=layers), part))
     order = torch.cat([index for index, *_ in parts])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    if placing:
-        whole.place(caches)
+    if hasattr(whole, "place"):  # the native cache: each group's rows written into the cohort's one store
+        whole.place([(index, part) for index, *_, part in parts])
         cache = whole
-    else:
+    else:  # the groups' caches joined one after the other, the rows put back in the cohort's order
+        cache = parts[0][-1]
+        for *_, part in parts[1:]:
+            cache.extend(part)
         cache.select_rows(inverse)
-    logits = torch.cat([part_logits for _, _, part_logits, _ in parts])[inverse]
+    logits = torch.cat([part_logits for _, _, part_logits, *_ in parts])[inverse]
     hidden = None
     if layers:
         first = parts[0][3]
         hidden = first.new_zeros(tokens.shape[0], width, *first.shape[2:])
-        for index, used, _, part_hidden in parts:
+        for index, used, _, part_hidden, _ in parts:
             hidden[index, width - used:] = part_hidden
     return cache, logits, hidden
 

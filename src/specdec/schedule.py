@@ -176,8 +176,7 @@ class LoadAware(FixedK):
     @staticmethod
     def nearest(values: dict[int, list], rows: int) -> float:
         """The estimate of the pool nearest ``rows`` (0 before any)."""
-        pool = bucket(rows)
-        return values[min(values, key=lambda b: abs(b.bit_length() - pool.bit_length()))][0] if values else 0.0
+        return values[nearest_pool(values, rows)][0] if values else 0.0
 
     def drafting_seconds(self, rows: int, k: int) -> float:
         """Seconds a step spends drafting k tokens per row, from the steps observed in the nearest
@@ -187,8 +186,7 @@ class LoadAware(FixedK):
         times k. 0 before any drafting step."""
         if not k or not self.draft_cost:
             return 0.0
-        pool = bucket(rows)
-        points = self.draft_cost[min(self.draft_cost, key=lambda b: abs(b.bit_length() - pool.bit_length()))]
+        points = self.draft_cost[nearest_pool(self.draft_cost, rows)]
         if len(points) == 1:
             (seen, (seconds, _)), = points.items()
             return seconds * k / seen
@@ -226,7 +224,7 @@ class LoadAware(FixedK):
             if rates[more] > rates[k] * (1 + self.gain):
                 k = more
         self.undrafted = 0 if k else self.undrafted + 1
-        seen = sum(count for points in self.draft_cost.values() for _, count in points.values())
+        seen = sum(count for points in self.draft_cost.values() for _, count in points.values()) if not k else 0
         if not k and (0 < seen < self.evidence or self.undrafted > self.explore):
             # A probe drafts at the k that looks best; it is skipped only for a clear loss, judged on
             # costs observed a few times. Until then a plain step that only the drafting seen so far
@@ -486,6 +484,12 @@ def proposal_confidence(engine, proposal: Proposal, policy: str) -> torch.Tensor
         raise InvalidArgumentError(f"policy {policy} needs a drafter with a confidence head (dspark), "
                                    f"got {engine.drafter.name} without confidences")
     return proposal.confidence
+
+
+def nearest_pool(values: dict[int, object], rows: int) -> int:
+    """The pool (a key of ``values``, which holds at least one) nearest the batch size ``rows``."""
+    pool = bucket(rows)
+    return min(values, key=lambda b: abs(b.bit_length() - pool.bit_length()))
 
 
 def bucket(rows: int) -> int:

@@ -8,25 +8,36 @@ import time
 import torch
 
 
+def _passes(backend, context: int, widths, rows: int):
+    """(time, the context manager the engine's steps run under): ``time(n, hidden_layers)`` is the seconds of
+    one forward pass of a block of n random tokens per row, ``rows`` rows, after ``context`` cached random
+    tokens (every token live: the pass itself, with the least bookkeeping a cache does); the block's
+    columns are dropped after it, so every pass sees the same cache."""
+    from specdec.models import kernels
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, device = backend.vocab_size, backend.device
+    cache = backend.new_cache(rows, context + max(widths) + 8)
+    cache.forward(torch.randint(vocab, (rows, context), generator=generator).to(device), None)
+    blocks = {n: torch.randint(vocab, (rows, n), generator=generator).to(device) for n in widths}
+
+    def time_pass(n: int, hidden_layers: tuple[int, ...] = ()) -> float:
+        start = time.perf_counter()
+        cache.forward(blocks[n], None, logits_to_keep=n, hidden_layers=hidden_layers)
+        elapsed = time.perf_counter() - start
+        cache.truncate(cache.lengths - n)
+        return elapsed
+
+    return time_pass, kernels.torch_single_threaded(getattr(backend, "name", None) == "native")
+
+
 def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers: tuple[int, ...] = (),
                  rows: int = 1) -> float:
     """Median seconds of one forward pass of n new tokens per row, ``rows`` rows, after ``context`` cached
-    tokens (every token live: the pass itself, with the least bookkeeping a cache does)."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = backend.vocab_size
-    cache = backend.new_cache(rows, context + n + 8)
-    device = backend.device
-    cache.forward(torch.randint(vocab, (rows, context), generator=generator).to(device), None)
-    block = torch.randint(vocab, (rows, n), generator=generator).to(device)
-    from specdec.models import kernels
-
-    times = []
-    with kernels.torch_single_threaded(getattr(backend, "name", None) == "native"):  # as the engine's steps run
-        for _ in range(repeats + 3):
-            start = time.perf_counter()
-            cache.forward(block, None, logits_to_keep=n, hidden_layers=hidden_layers)
-            times.append(time.perf_counter() - start)
-            cache.truncate(cache.lengths - n)
+    tokens (after 3 passes that warm the shape up)."""
+    time_pass, engine_threads = _passes(backend, context, [n], rows)
+    with engine_threads:
+        times = [time_pass(n, hidden_layers) for _ in range(repeats + 3)]
     return statistics.median(times[3:])
 
 
@@ -36,21 +47,12 @@ def forward_times(backend, widths, context: int, repeats: int = 3, rows: int = 1
     shape up), and each width's least time. A slow spell of the machine (another thread, a noisy neighbour)
     then lands on every width alike instead of on one width's consecutive passes, and a timing only ever
     comes out slow, so the least is the pass's own cost."""
-    generator = torch.Generator().manual_seed(0)
-    vocab, device = backend.vocab_size, backend.device
-    cache = backend.new_cache(rows, context + max(widths) + 8)
-    cache.forward(torch.randint(vocab, (rows, context), generator=generator).to(device), None)
-    blocks = {n: torch.randint(vocab, (rows, n), generator=generator).to(device) for n in widths}
-    from specdec.models import kernels
-
+    time_pass, engine_threads = _passes(backend, context, widths, rows)
     best = dict.fromkeys(widths, float("inf"))
-    with kernels.torch_single_threaded(getattr(backend, "name", None) == "native"):  # as the engine's steps run
+    with engine_threads:
         for round_ in range(repeats + 1):
             for n in widths:
-                start = time.perf_counter()
-                cache.forward(blocks[n], None, logits_to_keep=n)
-                elapsed = time.perf_counter() - start
-                cache.truncate(cache.lengths - n)
+                elapsed = time_pass(n)
                 if round_:
                     best[n] = min(best[n], elapsed)
     return best
