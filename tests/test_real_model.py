@@ -22,7 +22,7 @@ import specdec.models.gguf as gguf_folder
 from specdec import generate, load_target, zoo
 from specdec.commands.gguf import export
 from specdec.errors import ModelLoadError, UnsupportedModelError
-from specdec.models.gguf import GGUFFile, build_folder
+from specdec.models.gguf import GGUFFile, build_folder, read_gguf
 from specdec.zoo import RealModel, ZooError, zoo_path
 from specdec.zoo.fetch import FetchError
 
@@ -197,14 +197,32 @@ def test_quantized_tensors_dequantize_exactly(quantized, tmp_path):
     assert target.vocab_size == 64 and len(generate(target, [[1, 2, 3]], max_new_tokens=4).token_ids[0]) > 0
 
 
+def test_the_header_reader_agrees_with_gguf_s_own(quantized, exported):
+    """specdec's one-pass header reader (gguf's builds an object per list element: seconds for a real
+    vocabulary) reads every field and tensor as gguf's reader does, and leaves the skipped keys unread."""
+    for path in (quantized[0], exported):
+        reader = gguf.GGUFReader(str(path))
+        fields, tensors = read_gguf(path)
+        assert fields == {name: field.contents() for name, field in reader.fields.items()
+                          if not name.startswith("GGUF.")}
+        assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+        for ours, theirs in zip(tensors, reader.tensors):
+            assert ours.tensor_type == theirs.tensor_type and ours.shape.tolist() == theirs.shape.tolist()
+            assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name
+        skipped, _ = read_gguf(path, {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
+        assert skipped == {k: v for k, v in fields.items() if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")}
+
+
 def test_unreadable_files_are_one_line_errors(exported, tmp_path):
     good = exported
     (tmp_path / "junk.gguf").write_bytes(random.Random(0).randbytes(4096))
     (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    (tmp_path / "header.gguf").write_bytes(good.read_bytes()[:300])  # cut inside the metadata
     write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
     write_gguf(tmp_path / "headless.gguf", drop=("attention.head_count",))
     cases = [("missing.gguf", ModelLoadError, "no such GGUF file"), ("junk.gguf", ModelLoadError, "not a readable GGUF"),
-             ("cut.gguf", ModelLoadError, "not a readable GGUF"), ("gpt2.gguf", UnsupportedModelError, "'gpt2'"),
+             ("cut.gguf", ModelLoadError, "not a readable GGUF"),
+             ("header.gguf", ModelLoadError, "not a readable GGUF"), ("gpt2.gguf", UnsupportedModelError, "'gpt2'"),
              ("headless.gguf", ModelLoadError, "lacks llama.attention.head_count")]
     for name, kind, words in cases:
         with pytest.raises(kind) as error:

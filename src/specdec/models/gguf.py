@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,112 @@ def half_split_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# GGUF metadata value types: struct format of the scalars (8: string, 9: array).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+# Tensor types stored as plain numbers (gguf's reader gives their values; every other type its bytes).
+_NUMERIC = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+            "I32": np.int32, "I64": np.int64}
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file: its type, shape as stored (fastest dimension first) and its data, mapped
+    from the file: values [*reversed(shape)] for plain number types, bytes [..., bytes per row] otherwise
+    (the layout gguf's own reader gives)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
+
+
+class _Header:
+    """Reads a GGUF header front to back (little-endian, versions 2 and 3)."""
+
+    def __init__(self, raw: np.ndarray):
+        self.raw, self.at = raw, 0
+
+    def take(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        if self.at + size > len(self.raw):
+            raise EOFError("the file ends inside its header")
+        value = struct.unpack_from("<" + fmt, self.raw, self.at)
+        self.at += size
+        return value[0] if len(value) == 1 else value
+
+    def string(self, keep: bool = True) -> str | None:
+        size = self.take("Q")
+        if self.at + size > len(self.raw):
+            raise EOFError("the file ends inside a string of its header")
+        start, self.at = self.at, self.at + size
+        return bytes(self.raw[start:self.at]).decode("utf-8") if keep else None
+
+    def value(self, kind: int, keep: bool = True):
+        if kind == _STRING:
+            return self.string(keep)
+        if kind == _ARRAY:
+            item, count = self.take("I"), self.take("Q")
+            if item in _SCALARS:  # one read for a whole array of numbers
+                size = struct.calcsize("<" + _SCALARS[item])
+                start, self.at = self.at, self.at + size * count
+                if self.at > len(self.raw):
+                    raise EOFError("the file ends inside an array of its header")
+                return list(struct.unpack_from(f"<{count}{_SCALARS[item]}", self.raw, start)) if keep else None
+            values = [self.value(item, keep) for _ in range(count)]
+            return values if keep else None
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self.take(_SCALARS[kind])
+
+
+def read_gguf(path: Path, skip: frozenset | set = frozenset()) -> tuple[dict, list[GGUFTensor]]:
+    """(metadata, tensors) of a GGUF file: the metadata as Python values (the keys in ``skip`` left out
+    unread: the tokenizer's long lists), the tensors mapped from the file, not read. gguf's own reader
+    builds an object for every element of every list (98,000 strings of SmolLM2's vocabulary and merges:
+    4 s before a weight is touched); this reads the header in one pass."""
+    gguf = _gguf()
+    raw = np.memmap(path, mode="r")
+    header = _Header(raw)
+    if bytes(raw[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic number")
+    header.at = 4
+    version, count, kv_count = header.take("I"), header.take("Q"), header.take("Q")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian, or not 2-3)")
+    fields = {}
+    for _ in range(kv_count):
+        key, kind = header.string(), header.take("I")
+        value = header.value(kind, keep=key not in skip)
+        if key not in skip:
+            fields[key] = value
+    infos = []
+    for _ in range(count):
+        name = header.string()
+        dims = [header.take("Q") for _ in range(header.take("I"))]
+        infos.append((name, dims, header.take("I"), header.take("Q")))
+    alignment = int(fields.get("general.alignment", 32))
+    start = -(-header.at // alignment) * alignment
+    tensors = []
+    for name, dims, kind, offset in infos:
+        kind = gguf.GGMLQuantizationType(kind)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        elements = int(np.prod(dims))
+        shape = tuple(reversed(dims))
+        if kind.name in _NUMERIC:
+            dtype = np.dtype(_NUMERIC[kind.name])
+            nbytes = elements * dtype.itemsize
+        else:
+            dtype, nbytes = np.dtype(np.uint8), elements * size // block
+            shape = (*shape[:-1], shape[-1] // block * size)
+        begin = start + offset
+        if begin + nbytes > len(raw):
+            raise EOFError(f"tensor {name} runs past the end of the file")
+        data = raw[begin:begin + nbytes].view(dtype).reshape(shape)
+        tensors.append(GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), data))
+    return fields, tensors
+
+
 class GGUFFile:
     """A GGUF file's metadata and tensors (dequantized to float32 on request)."""
 
@@ -55,10 +163,8 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: no such GGUF file")
         try:
-            self.reader = _gguf().GGUFReader(str(self.path))
-            self.fields = {name: field.contents() for name, field in self.reader.fields.items()
-                           if name not in _VOCABULARY_FIELDS}
-        except (ValueError, IndexError, KeyError, OSError, EOFError) as error:
+            self.fields, self.tensor_list = read_gguf(self.path, _VOCABULARY_FIELDS)
+        except (ValueError, IndexError, KeyError, OSError, EOFError, UnicodeDecodeError, struct.error) as error:
             raise ModelLoadError(f"{self.path} is not a readable GGUF file ({error})") from None
         self.arch = self.fields.get("general.architecture")
         if self.arch not in ARCHITECTURES:
@@ -82,8 +188,8 @@ class GGUFFile:
         """The HF config of the model (Llama)."""
         heads = self.required("attention.head_count")
         hidden = self.required("embedding_length")
-        names = {t.name for t in self.reader.tensors}
-        embedding = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        names = {t.name for t in self.tensor_list}
+        embedding = next((t for t in self.tensor_list if t.name == "token_embd.weight"), None)
         if embedding is None:
             raise ModelLoadError(f"{self.path}: the GGUF file has no token_embd.weight")
         vocab = self.field("vocab_size") or int(embedding.shape[1])
@@ -105,7 +211,7 @@ class GGUFFile:
         }
 
     def tensor_types(self) -> dict[str, str]:
-        return {t.name: t.tensor_type.name for t in self.reader.tensors}
+        return {t.name: t.tensor_type.name for t in self.tensor_list}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """HF names -> float32 tensors in HF's [out, in] orientation, RoPE rows in HF's order."""
@@ -113,7 +219,7 @@ class GGUFFile:
         config = self.config()
         heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
         out = {}
-        for tensor in self.reader.tensors:
+        for tensor in self.tensor_list:
             name = _hf_name(tensor.name)
             if name is None:
                 if tensor.name == "rope_freqs.weight":
@@ -241,9 +347,8 @@ def forget_removed_files(parent: Path) -> None:
 
 def raw_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray, tuple[int, ...]]]:
     """GGUF tensor name -> (type name, its bytes or values as stored, shape [out, in] or [n])."""
-    reader = GGUFFile(path).reader
     return {t.name: (t.tensor_type.name, t.data, tuple(int(d) for d in reversed(t.shape.tolist())))
-            for t in reader.tensors}
+            for t in GGUFFile(path).tensor_list}
 
 
 def dequantized(kind: str, data: np.ndarray, shape: tuple[int, ...], where: str) -> torch.Tensor:
