@@ -43,3 +43,35 @@ def targets(model_dirs, backend):
 def hf_models(model_dirs):
     """transformers' own models of the same folders: the references every backend is checked against."""
     return {arch: hf.load_causal_lm(model_dirs[arch]) for arch in ARCHITECTURES}
+
+
+@pytest.fixture
+def timed_backend(monkeypatch):
+    """A backend whose passes take no real time: ``make(cost)`` returns (backend, clock), each forward pass
+    advancing ``backends.costs``' clock by ``cost(width, hidden_layers, call)`` seconds (call: the pass's
+    number, from 1; ``clock["calls"]`` may be set to start elsewhere)."""
+    from specdec.backends import costs
+
+    clock = {"now": 0.0, "calls": 0}
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
+
+    def make(cost):
+        class Cache:
+            lengths = torch.zeros(1, dtype=torch.long)
+
+            def forward(self, tokens, valid, logits_to_keep=1, hidden_layers=()):
+                clock["calls"] += 1
+                clock["now"] += cost(tokens.shape[1], hidden_layers, clock["calls"])
+
+            def truncate(self, lengths):
+                pass
+
+        class Backend:
+            vocab_size, device, name = 50, "cpu", "fake"
+
+            def new_cache(self, rows, capacity):
+                return Cache()
+
+        return Backend(), clock
+
+    return make

@@ -125,3 +125,22 @@ def test_a_draft_models_efficiency_bound_uses_its_own_pass():
 
     assert model_time_bound(method(small), costs) == pytest.approx(3.0 / (4 * 0.001 + 0.012))
     assert model_time_bound(method(big), costs) == pytest.approx(3.0 / (4 * 0.004 + 0.012))
+
+
+def test_bench_bounds_take_each_pass_at_its_least_time(timed_backend):
+    """The passes a bench's bounds and feature costs rest on are timed in turn, each at its least time: a slow
+    spell while they are timed (here 10 passes at 4x their cost, as a busy host gives) raises none of them,
+    so plain decoding's bound 1 / T(1) is not below the speed it measured."""
+    from specdec.backends import costs
+    from specdec.commands.bench import feature_cost
+
+    def cost(width, layers, call):
+        own = 1e-3 * (1 + 0.1 * width) + 0.5e-3 * len(layers) if width <= 8 else 0.0
+        return own * (4 if 5 <= call < 15 else 1)
+
+    backend, clock = timed_backend(cost)
+    result = feature_cost(backend, (2, 5), 5, 16)
+    assert (result["verify_ms"], result["with_features_ms"]) == (pytest.approx(1.5), pytest.approx(2.5))
+    clock["calls"] = 100  # past the spell: each case's own cost, hidden layers included
+    assert costs.least_times(backend, {"a": (1, ()), "b": (3, (1,))}, 16, repeats=3) == pytest.approx(
+        {"a": 1.1e-3, "b": 1.8e-3})

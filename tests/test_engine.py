@@ -408,33 +408,17 @@ def test_load_aware_charges_a_drafting_steps_fixed_part_once():
     assert policy.drafting_seconds(1, 0) == 0.0
 
 
-def test_the_profile_times_widths_in_turn_and_keeps_each_ones_least(monkeypatch):
+def test_the_profile_times_widths_in_turn_and_keeps_each_ones_least(timed_backend):
     """A slow spell of the machine during the start-up profile (here 12 passes in a row at 5x their cost)
     lands on every width alike and leaves no width's estimate above its own cost, where timing each width's
     passes one after the other put the whole spell on one or two widths."""
     from specdec.backends import costs
 
-    clock = {"now": 0.0, "calls": 0}
+    def cost(width, layers, call):
+        return (1e-3 * (1 + 0.1 * width) if width <= 8 else 0.0) * (5 if 20 <= call < 32 else 1)
 
-    class Cache:
-        lengths = torch.zeros(1, dtype=torch.long)
-
-        def forward(self, tokens, valid, logits_to_keep=1, hidden_layers=()):
-            clock["calls"] += 1
-            spell = 20 <= clock["calls"] < 32
-            clock["now"] += (1e-3 * (1 + 0.1 * tokens.shape[1]) if tokens.shape[1] <= 8 else 0.0) * (5 if spell else 1)
-
-        def truncate(self, lengths):
-            pass
-
-    class Backend:
-        vocab_size, device, name = 50, "cpu", "fake"
-
-        def new_cache(self, rows, capacity):
-            return Cache()
-
-    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
-    times = costs.forward_times(Backend(), range(1, 6), 16, repeats=3)
+    backend, _ = timed_backend(cost)
+    times = costs.forward_times(backend, range(1, 6), 16, repeats=3)
     assert times == pytest.approx({n: 1e-3 * (1 + 0.1 * n) for n in range(1, 6)})
 
 

@@ -43,18 +43,24 @@ def forward_time(backend, n: int, context: int, repeats: int = 15, hidden_layers
 
 def forward_times(backend, widths, context: int, repeats: int = 3, rows: int = 1) -> dict[int, float]:
     """Seconds of one forward pass of n new tokens per row for each n in ``widths`` (``rows`` rows, after
-    ``context`` cached tokens): the widths timed in turn, round after round (the first round only warms each
-    shape up), and each width's least time. A slow spell of the machine (another thread, a noisy neighbour)
-    then lands on every width alike instead of on one width's consecutive passes, and a timing only ever
-    comes out slow, so the least is the pass's own cost."""
-    time_pass, engine_threads = _passes(backend, context, widths, rows)
-    best = dict.fromkeys(widths, float("inf"))
+    ``context`` cached tokens): ``least_times`` of the widths."""
+    return least_times(backend, {n: (n, ()) for n in widths}, context, repeats, rows)
+
+
+def least_times(backend, cases: dict, context: int, repeats: int = 3, rows: int = 1) -> dict:
+    """Seconds of one forward pass for each case (name -> (n new tokens per row, hidden layers returned);
+    ``rows`` rows after ``context`` cached tokens): the cases timed in turn, round after round (the first
+    round only warms each shape up), and each case's least time. A slow spell of the machine (another
+    thread, a noisy neighbour) then lands on every case alike instead of on one case's consecutive
+    passes, and a timing only ever comes out slow, so the least is the pass's own cost."""
+    time_pass, engine_threads = _passes(backend, context, sorted({n for n, _ in cases.values()}), rows)
+    best = dict.fromkeys(cases, float("inf"))
     with engine_threads:
         for round_ in range(repeats + 1):
-            for n in widths:
-                elapsed = time_pass(n)
+            for name, (n, layers) in cases.items():
+                elapsed = time_pass(n, tuple(layers))
                 if round_:
-                    best[n] = min(best[n], elapsed)
+                    best[name] = min(best[name], elapsed)
     return best
 
 
