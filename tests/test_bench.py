@@ -144,3 +144,16 @@ def test_bench_bounds_take_each_pass_at_its_least_time(timed_backend):
     clock["calls"] = 100  # past the spell: each case's own cost, hidden layers included
     assert costs.least_times(backend, {"a": (1, ()), "b": (3, (1,))}, 16, repeats=3) == pytest.approx(
         {"a": 1.1e-3, "b": 1.8e-3})
+
+
+def test_passes_after_no_context_read_no_empty_block(timed_backend):
+    """Timing passes after an empty cache (context 0) runs no pass of zero tokens first: the native cache
+    refuses an empty block."""
+    from specdec.backends import costs
+
+    def cost(width, layers, call):
+        assert width > 0, "a pass of no tokens"
+        return 1e-3 * width
+
+    backend, _ = timed_backend(cost)
+    assert costs.forward_times(backend, [1, 4], 0, repeats=2) == pytest.approx({1: 1e-3, 4: 4e-3})
