@@ -458,3 +458,27 @@ for run in 1 2; do for mode in plain load-aware; do for v in before after; do
   echo "== $v $mode $run"; python docs/measurements/serve_upkeep.py 16 $mode
 done; done; done > $OUT/serve-upkeep-empty-zen3-s22.txt 2>&1
 specdec demo > $OUT/demo-zen3-s22.txt 2>&1   # the README first command after this session's changes
+
+# ---- twenty-third session: the same Zen 3 model (AMD EPYC family 25 model 1); every method on the current code ----
+specdec demo > $OUT/demo-zen3-s23.txt 2>&1   # after the one-pass GGUF header reader and the least-time bounds
+TD=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))")
+D=src/specdec/zoo/data/smollm2-135m
+BIN=LLAMA_CPP_BUILD_BIN   # ../shared/scripts/build-llamacpp.sh prints it
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  -k 2 4 --trees 4/2/6 --draft smollm2-135m-q4_1 --drafters eagle eagle3 medusa dflash dspark mtp retrieval lookahead \
+  --block-sizes 8 --no-transformers --threads 2 --output $OUT/real-bench-bf16-zen3-s23.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen3-s23.json
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 3 --max-new-tokens 128 \
+  -k 4 --draft $D/draft --drafters eagle3 dflash retrieval early-exit=$TD --exit-layers 20 --block-sizes 8 \
+  --threads 2 --output $OUT/real-bench-f32-zen3-s23.json   # with transformers' plain, assisted, prompt lookup, DFlash
+specdec bench --target smollm2-135m --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 128 \
+  -k 4 6 8 --draft smollm2-135m-q4_1 --no-transformers --threads 2 --output $OUT/real-bench-f32-copy-zen3-s23.json
+pip install diskcache   # llama-cpp-python's source imports it
+PYTHONPATH=LLAMA_CPP_PYTHON_SRC LLAMA_CPP_LIB_PATH=$BIN python -m specdec.commands.llamacpp \
+  --target smollm2-135m-q4_1 --tasks sharegpt --num-prompts 6 --max-new-tokens 128 -k 4 --threads 2 \
+  --json $OUT/llamacpp-q4_1-zen3-s23.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
+  -k 2 4 --draft smollm2-135m-q4_1 --drafters eagle3 dflash retrieval --block-sizes 8 --no-transformers --threads 1 \
+  --output $OUT/real-bench-bf16-1thread-zen3-s23.json
