@@ -28,6 +28,18 @@ def test_missing_llama_cpp_is_one_clear_error(monkeypatch, tmp_path):
     assert str(caught.value) == MISSING
 
 
+def test_a_dependency_llama_cpp_lacks_is_named(monkeypatch, tmp_path):
+    """llama-cpp-python's source on the path without a module it imports (its source tree needs diskcache): the
+    error names that module, not llama-cpp-python."""
+    package = tmp_path / "llama_cpp"
+    package.mkdir()
+    (package / "__init__.py").write_text("import specdec_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    with pytest.raises(SpecdecError, match="needs the module 'specdec_absent_dependency'"):
+        llama_cpp_plain(tmp_path / "none.gguf", [[1, 2]], 4, [0])
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(model_dirs, tmp_path_factory):
     pytest.importorskip("llama_cpp")

@@ -63,7 +63,10 @@ def _repacking(repack: bool):
 def _llama_cpp():
     try:
         import llama_cpp
-    except ImportError:
+    except ImportError as error:
+        if error.name not in (None, "llama_cpp"):  # the package is there, a module it imports is not
+            raise SpecdecError(f"llama-cpp-python cannot be imported: it needs the module {error.name!r} "
+                               f"(pip install {error.name})") from None
         raise SpecdecError(MISSING) from None
     return llama_cpp
 
