@@ -53,16 +53,18 @@ class DSparkSession(DFlashSession):
         out = self.enter(anchors, drafts)                                   # [B, drafts, H]: every slot drafts
         head = runtime.logits(out)                                          # [B, drafts, V]
         hidden = runtime.normed(out)
-        previous, tokens, dists, confidences = anchors, [], [], []
-        for j in range(drafts):
-            logits, confidence = runtime.slot(head[:, j], hidden[:, j], previous, j)
-            previous, probs = draft_from(logits, runtime.rows, self.vocab, self.sampling, self.generator)
-            if probs is not None:
-                dists.append(probs)
-            tokens.append(previous)
-            confidences.append(confidence)
+        previous, tokens, dists, codes = anchors, [], [], []
+        with torch.inference_mode():
+            for j in range(drafts):
+                logits, code = runtime.markov(head[:, j], hidden[:, j], previous)
+                previous, probs = draft_from(logits, runtime.rows, self.vocab, self.sampling, self.generator)
+                if probs is not None:
+                    dists.append(probs)
+                tokens.append(previous)
+                codes.append(code)
+            # every slot's confidence at once: slot j's reads its output and the draft before it only
+            confidence = runtime.confidences(hidden, torch.stack(codes, 1)) if runtime.confidence is not None else None
         lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
-        confidence = torch.stack(confidences, 1) if confidences[0] is not None else None
         return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
                         confidence=confidence)
 
@@ -71,13 +73,15 @@ class DSparkSession(DFlashSession):
         anchors = seqs.tokens.gather(1, (seqs.lengths - 1)[:, None])[:, 0]
         out = self.enter(anchors, self.tree.depth)                  # [B, D, H]: slot d drafts depth d + 1
         head, hidden = runtime.logits(out), runtime.normed(out)     # [B, D, S], [B, D, H]
-        root, _ = runtime.slot(head[:, 0], hidden[:, 0], anchors, 0)
+        with torch.inference_mode():
+            root, _ = runtime.markov(head[:, 0], hidden[:, 0], anchors)
 
         def expand(frontier_token, parent_slot, sees, depth):     # every branch: slot `depth`, its own parent
             batch, width = frontier_token.shape
-            logits, _ = runtime.slot(head[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
-                                     hidden[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
-                                     frontier_token.reshape(-1), depth)
+            with torch.inference_mode():
+                logits, _ = runtime.markov(head[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
+                                           hidden[:, depth, None].expand(-1, width, -1).reshape(batch * width, -1),
+                                           frontier_token.reshape(-1))
             return tree_scores(logits.view(batch, width, -1), self.sampling)
 
         return dynamic_tree(tree_scores(root, self.sampling), expand, self.tree, runtime.rows)

@@ -188,15 +188,24 @@ class DSparkRuntime(dflash.DFlashRuntime):
         """(logits [B, V] of one slot with the Markov term of the previous tokens [B] (target ids), its
         calibrated confidence [B] or None) from the head's logits [B, V] and the normed output [B, H]; V is
         the draft vocabulary's size when the runtime has one."""
+        logits, code = self.markov(logits, hidden, previous)
+        if self.confidence is None:
+            return logits, None
+        return logits, self.confidences(hidden[:, None], code[:, None], index)[:, 0]
+
+    def markov(self, logits: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(one slot's logits [B, V] with the Markov term of the previous tokens [B], their rank-r codes [B, r])
+        from the head's logits [B, V] and the normed output [B, H]. Callers hold inference mode."""
         code = F.embedding(previous, self.markov_w1)                                 # [B, r]
-        term = kernels.linear(code.to(self.dtype).contiguous(), self.markov_w2).float()
-        joint = None
-        if self.gate is not None or self.confidence is not None:
-            joint = torch.cat([hidden.float(), code], -1)
+        term = kernels.linear(code.to(self.dtype), self.markov_w2).float()
         if self.gate is not None:
-            term = term * torch.sigmoid(self.gate(joint))
-        confidence = None
-        if self.confidence is not None:
-            logit = self.confidence.proj(joint)[:, 0] / self.config.temperature(index)
-            confidence = torch.sigmoid(logit)
-        return logits.float() + term, confidence
+            term = term * torch.sigmoid(self.gate(torch.cat([hidden.float(), code], -1)))
+        return logits.float() + term, code
+
+    def confidences(self, hidden: torch.Tensor, codes: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Calibrated confidences [B, S] of S consecutive slots from slot ``first``: normed outputs
+        [B, S, H] and the codes of the tokens before each slot [B, S, r], in one product."""
+        logit = self.confidence.proj(torch.cat([hidden.float(), codes], -1))[..., 0]   # [B, S]
+        temperatures = torch.tensor([self.config.temperature(first + j) for j in range(logit.shape[1])])
+        return torch.sigmoid(logit / temperatures)
