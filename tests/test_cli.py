@@ -191,3 +191,16 @@ def test_installed_command_prints_no_traceback(model_dirs):
                              "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["specdec: error: top_p must be in (0, 1], got 2.0"]
+
+
+def test_draft_p_min(capsys, model_dirs):
+    """--draft-p-min (llama.cpp's flag) reaches the draft model; outside (0, 1) it is one line."""
+    base = ["generate", "--target", model_dirs["llama"], "--prompt", "x = 1", "--max-new-tokens", 8, "--json",
+            "--drafter", "draft-model", "--draft", model_dirs["llama-draft"], "-k", 4]
+    code, plain, _ = run(capsys, *base)
+    assert code == 0
+    code, cut, _ = run(capsys, *base, "--draft-p-min", 0.99)
+    assert code == 0 and json.loads(cut)["outputs"] == json.loads(plain)["outputs"]
+    assert json.loads(cut)["stats"]["drafts_proposed"] < json.loads(plain)["stats"]["drafts_proposed"]
+    code, _, err = run(capsys, *base, "--draft-p-min", 1.5)
+    assert_one_line_error(code, err, "p_min must be in (0, 1)")

@@ -109,6 +109,50 @@ def test_feature_drafters_equal_plain_decoding_in_bfloat16(arch, model_dirs, dra
             assert out.stats.exact_numerics and out.token_ids == reference, f"{drafter.name} {setting}"
 
 
+def test_p_min_cuts_each_rows_chain_and_keeps_the_output(model_dirs, drafter_dirs):
+    """llama.cpp's --draft-p-min: a row stops before its first draft the drafter is less sure of than p_min
+    (rows of one batch stop apart; a step where no row is sure drafts nothing), and greedy output stays
+    plain decoding's, in a ragged batch and alone."""
+    target, prompts, reference = bfloat16_with_eos(model_dirs["llama"])
+    for name in ("eagle", "eagle3", "eagle-vocab"):
+        full = specdec.generate(target, prompts, drafter=Eagle(drafter_dirs["llama"][name]), num_draft_tokens=4,
+                                max_new_tokens=40).stats
+        counts = []
+        for p_min in (0.02, 0.1, 0.3, 0.9):
+            drafter = Eagle(drafter_dirs["llama"][name], p_min=p_min)
+            assert_equal_to(target, prompts, reference, [(drafter, dict(num_draft_tokens=4))], 40)
+            stats = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=40).stats
+            counts.append(stats.drafts_proposed / stats.target_forwards)
+        assert counts == sorted(counts, reverse=True) and counts[-1] < counts[0], (name, counts)
+        assert any(0 < c < full.drafts_proposed / full.target_forwards for c in counts), (name, counts)
+
+
+def test_p_min_is_a_probability_or_the_folders_recorded_one(drafter_dirs, model_dirs, tmp_path):
+    """p_min in (0, 1); 0: no cut; None: what the folder records beside its fastest k (bench --record), which
+    the next --record keeps when its fastest row ran with it."""
+    import shutil
+
+    from specdec.commands.bench import record_fastest
+    from specdec.drafters import DraftModel
+    from specdec.errors import InvalidArgumentError
+
+    for bad in (1.0, -0.5, 2.0):
+        with pytest.raises(InvalidArgumentError, match="p_min must be in"):
+            Eagle(drafter_dirs["llama"]["eagle"], p_min=bad)
+        with pytest.raises(InvalidArgumentError, match="p_min must be in"):
+            DraftModel(model_dirs["llama-draft"], p_min=bad)
+    folder = tmp_path / "eagle"
+    shutil.copytree(drafter_dirs["llama"]["eagle"], folder)
+    assert Eagle(folder).p_min is None and Eagle(folder, p_min=0.25).setting == "p>=0.25"
+    row = {"impl": "specdec", "family": "eagle", "batch_size": 1, "method": "specdec eagle k=4 p>=0.3", "k": 4,
+           "tree": None, "tau": 1.5, "speedup_vs_plain": 1.05, "p_min": 0.3}
+    record_fastest({"rows": [row, {**row, "k": 2, "p_min": None, "speedup_vs_plain": 1.0}]}, "eagle", str(folder), "test")
+    assert Eagle(folder).p_min == 0.3 and Eagle(folder).default_draft_tokens == 4
+    assert Eagle(folder, p_min=0).p_min is None and Eagle(folder, p_min=0.5).p_min == 0.5
+    record_fastest({"rows": [{**row, "p_min": None}]}, "eagle", str(folder), "test")  # fastest without a cut
+    assert Eagle(folder).p_min is None
+
+
 @pytest.mark.filterwarnings("error::specdec.errors.TargetMismatchWarning")
 def test_trained_zoo_drafters_equal_plain_decoding():
     """Where drafts are mostly accepted: accepted paths, their features and the rollback all matter."""
@@ -128,12 +172,21 @@ def test_trained_zoo_drafters_equal_plain_decoding():
                 out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=48, **setting)
                 assert out.token_ids == reference, f"{drafter.name} {setting} {dtype}"
                 assert out.stats.mean_accepted_length > 1.5, f"{drafter.name} should accept drafts here"
+        for name in ("eagle", "eagle3"):  # chains cut by the drafter's confidence: the same output, fewer drafts,
+            full, cut = (specdec.generate(target, prompts, drafter=Eagle(dirs[name], p_min=p_min), num_draft_tokens=6,
+                                          max_new_tokens=48) for p_min in (None, 0.5))
+            assert cut.token_ids == reference, f"{name} p_min {dtype}"
+            proposed = cut.stats.drafts_proposed / cut.stats.target_forwards
+            assert 0 < proposed < 6, (name, proposed, dtype)
+            # and the drafts kept are the likelier ones: a trained drafter's confidence tells
+            assert cut.stats.acceptance_rate > full.stats.acceptance_rate, (name, dtype)
 
 
 @pytest.mark.parametrize("kind,temperature,top_k,top_p", [
     ("eagle3", 1.0, 6, None),
     ("eagle", 1.2, 5, 0.95),
     ("eagle-vocab", 1.2, 5, 0.95),
+    ("eagle-pmin", 1.2, 5, 0.95),
     ("eagle3-tree", 1.0, 6, None),
     ("medusa", 1.0, 6, None),
     ("medusa-shared", 1.0, 6, None),
@@ -142,8 +195,10 @@ def test_trained_zoo_drafters_equal_plain_decoding():
 def test_sampling_keeps_the_targets_distribution(kind, temperature, top_k, top_p, model_dirs, drafter_dirs):
     config = SamplingConfig(temperature, top_k, top_p)
     target, prompt, exact = sampling_case(model_dirs["llama"], config)
-    name = kind.removesuffix("-tree")
-    drafter = Medusa(drafter_dirs["llama"][name]) if name.startswith("medusa") else Eagle(drafter_dirs["llama"][name])
+    name = kind.removesuffix("-tree").removesuffix("-pmin")
+    p_min = 0.22 if kind.endswith("-pmin") else None  # cuts about a third of these drafts (their top: 0.2-0.3)
+    drafter = Medusa(drafter_dirs["llama"][name]) if name.startswith("medusa") else Eagle(drafter_dirs["llama"][name],
+                                                                                          p_min=p_min)
     tree = TreeConfig(depth=2, topk=3, num_nodes=6) if kind.endswith("-tree") else None
     assert chi_square_p(sampled_pairs(target, prompt, drafter, config, tree), exact) > P_VALUE
 

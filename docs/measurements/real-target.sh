@@ -482,3 +482,16 @@ PYTHONPATH=LLAMA_CPP_PYTHON_SRC LLAMA_CPP_LIB_PATH=$BIN python -m specdec.comman
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
   -k 2 4 --draft smollm2-135m-q4_1 --drafters eagle3 dflash retrieval --block-sizes 8 --no-transformers --threads 1 \
   --output $OUT/real-bench-bf16-1thread-zen3-s23.json
+
+# ---- twenty-fourth session: the same Zen 3 model (AMD EPYC family 25 model 1) ----
+git worktree add /tmp/base 207d51b~1 && bash docs/measurements/dspark_draft_ab.sh   # DSpark drafting before / after
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen3-s24.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-3req-zen3-s24.json
+python docs/measurements/draft_p_min.py eagle3 10 "2@-,4@-,4@0.2,4@0.3,6@0.3" $OUT/draft-p-min-eagle3-zen3-s24.json
+python docs/measurements/draft_p_min.py eagle 10 "2@-,4@-,4@0.2,4@0.3,6@0.2" $OUT/draft-p-min-eagle-zen3-s24.json
+python docs/measurements/draft_p_min.py q4_1 10 "4@-,4@0.1,4@0.3,6@0.2" $OUT/draft-p-min-q4_1-zen3-s24.json
+specdec demo > $OUT/demo-zen3-s24.txt 2>&1   # EAGLE at its recorded k = 4 and p_min

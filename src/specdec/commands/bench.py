@@ -305,11 +305,12 @@ def self_note(drafter, target) -> str:
 
 def draft_note(drafter) -> str:
     """A draft model's quantized weight types, when it runs quantized (a GGUF file, or --draft-quantize), and
-    the size of its draft vocabulary, when it has one."""
+    the size of its draft vocabulary, when it has one, and its own settings (p_min)."""
     kinds = "+".join(getattr(drafter.backend, "quantized_types", ()))
     vocabulary = getattr(drafter, "vocabulary", None)
     parts = [kinds] + ([f"vocab {vocabulary.numel()}"] if vocabulary is not None else [])
-    return f"({', '.join(filter(None, parts))})" if any(parts) else ""
+    note = f"({', '.join(filter(None, parts))})" if any(parts) else ""
+    return f"{note} {getattr(drafter, 'setting', '')}".strip()  # its own settings (p_min)
 
 
 def block_ks(drafter, block_sizes) -> list[int]:
@@ -362,8 +363,9 @@ def drafter_methods(engine: Engine, ks, trees, max_new_tokens: int, batch_size: 
             chain_ks, drafter_trees = own_setting(drafter, ks)
         note = self_note(drafter, engine.target) if engine.variant else drafter_note(engine, name, drafter)
         if name == DRAFT_MODEL:
-            note = f"{note} {draft_note(drafter)}".strip()
-        note = f"{note} {getattr(drafter, 'setting', '')}".strip()  # a drafter's own settings (lookahead's W/N/G)
+            note = f"{note} {draft_note(drafter)}".strip()  # its settings included
+        else:
+            note = f"{note} {getattr(drafter, 'setting', '')}".strip()  # a drafter's own settings (lookahead's W/N/G)
         methods += [specdec_method(engine, name, drafter, k, max_new_tokens, batch_size, tag, note=note)
                     for k in chain_ks]
         if chain_ks:
@@ -612,6 +614,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "policy": m.policy, "tau": m.tau, "alpha": m.alpha, "tokens_per_second": m.tokens_per_second,
             "new_tokens": m.new_tokens, "seconds": m.seconds,
             "tree": None if m.tree is None else [m.tree.depth, m.tree.topk, m.tree.num_nodes],
+            "p_min": getattr(m.drafter, "p_min", None),
             "mean_nodes": m.k_sum / m.tau_steps if m.tau_steps else None,
             "speedup_vs_plain": m.tokens_per_second / plain.tokens_per_second if plain and plain.seconds else None,
             "ratio_vs_transformers": (m.tokens_per_second / peer.tokens_per_second
@@ -852,6 +855,7 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     path = Path(resolve_model(folder)) / "config.json"  # a real model's name or a GGUF file: its folder
     config = json.loads(path.read_text())
     choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
+              **({"p_min": best["p_min"]} if best.get("p_min") else {}),
               "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,
               "cpu": cpu_summary()}
     config.setdefault("specdec", {})["defaults"] = choice

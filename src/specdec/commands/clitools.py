@@ -74,6 +74,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         help="early-exit: verify with the whole network instead of reusing the drafted layers")
     parser.add_argument("--mtp-depth", type=int, default=None, metavar="D",
                         help="mtp: use the first D modules or heads (default: all)")
+    parser.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                        help="draft-model, eagle, eagle3: stop a row's chain before its first draft whose most likely "
+                             "token the drafter gives less than P (llama.cpp's --draft-p-min; default: the one the "
+                             "drafter's folder records, else none; 0: none)")
     parser.add_argument("--medusa-choices", type=tree_paths, default=None, metavar="JSON",
                         help="Medusa: the candidate tree as index paths, e.g. '[[0], [0, 0], [1]]' "
                              "(default: the folder's medusa_choices, chosen from held-out acceptance)")

@@ -183,6 +183,19 @@ def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
     return best.get("num_draft_tokens"), TreeConfig(*tree) if tree else None
 
 
+def recorded_p_min(folder: str) -> float | None:
+    """The confidence cut (``ConfidenceStop``'s p_min) a drafter folder records with its fastest setting, or None."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            value = ((json.load(handle).get("specdec") or {}).get("defaults") or {}).get("p_min")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # beside a drafter that reads the target's head: the rows it drafts from
 
 
@@ -220,6 +233,48 @@ def over_vocabulary(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) 
     full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"), dtype=torch.float32)
     full[..., ids] = logits.float()
     return full
+
+
+def check_p_min(p_min: float | None, folder: str | None = None) -> float | None:
+    """The cut a drafter applies (None: none) from its ``p_min`` argument: a probability in (0, 1); 0: no cut;
+    None: the one ``folder`` records as measured fastest (``recorded_defaults``), if any. Anything else is one
+    line."""
+    if p_min is None:
+        return recorded_p_min(folder) if folder else None
+    if not 0.0 <= float(p_min) < 1.0:
+        raise InvalidArgumentError(f"draft p_min must be in (0, 1), or 0 for no cut, got {p_min:g}")
+    return float(p_min) or None
+
+
+class ConfidenceStop:
+    """llama.cpp's ``--draft-p-min`` for drafters that draft one token at a time: a row stops at the first
+    draft whose most likely token the drafter gives less than ``p_min`` (that draft is not proposed), and
+    drafting stops once every row has stopped, so k becomes a ceiling. The decision on draft j reads the
+    drafter's distribution of draft j, which depends on the drafts before it only, never on draft j (a
+    sampled draft's own probability is not read) or on the target: speculative sampling stays exact,
+    greedy output unchanged. ``p_min`` None: every row keeps all k drafts."""
+
+    def __init__(self, p_min: float | None, batch: int, device):
+        self.p_min = p_min
+        self.going = torch.ones(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def admit(self, logits: torch.Tensor, probs: torch.Tensor | None) -> bool:
+        """Count this draft for the rows still drafting (logits [B, V] of the drafter, or when sampling the
+        distribution it sampled from, probs [B, V]); whether any row goes on."""
+        if self.p_min is None:
+            self.lengths += 1
+            return True
+        top = probs.amax(-1) if probs is not None else torch.softmax(logits.float(), -1).amax(-1)
+        self.going &= top >= self.p_min
+        self.lengths += self.going
+        return bool(self.going.any())
+
+    def proposal(self, drafts: list[torch.Tensor], dists: list[torch.Tensor] | None) -> Proposal:
+        """The Proposal of the drafts admitted (each [B]; dists [B, V] each when sampling)."""
+        if not drafts:  # no row was sure enough of its first draft: a plain step
+            return Proposal(self.lengths.new_zeros(self.lengths.shape[0], 0), self.lengths)
+        return Proposal(torch.stack(drafts, 1), self.lengths, torch.stack(dists, 1) if dists else None)
 
 
 def draft_from(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int, sampling: SamplingConfig, generator):

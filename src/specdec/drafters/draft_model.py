@@ -17,8 +17,8 @@ from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyM
 from specdec.backends.native import NativeBackend
 from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import (DecodeContext, Proposal, draft_from, over_vocabulary, read_draft_vocabulary,
-                                   recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, Proposal, check_p_min, draft_from, over_vocabulary,
+                                   read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend, resolve_model
 
@@ -28,7 +28,7 @@ class DraftModel:
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool | str | os.PathLike = True,
-                 quantize: str | None = None, reuse_prompt: bool = True):
+                 quantize: str | None = None, reuse_prompt: bool = True, p_min: float | None = None):
         """``model``: a model directory (a GGUF file, or a real model's name, as ``load_target`` takes),
         a transformers model already loaded (runs on "hf"), or a ``Target``, which then drafts on its own
         backend (self-draft; ``target.model`` is None on native).
@@ -44,6 +44,9 @@ class DraftModel:
         copy of the target (the same shape and embeddings: a quantized copy, a GGUF file of the same
         weights), it takes the keys and values the target computed for the prompt instead of reading the
         prompt again (both on the native backend); drafts stay proposals, so outputs are unchanged.
+        ``p_min`` (llama.cpp's ``--draft-p-min``): a row's chain stops before its first draft whose most likely
+        token the draft model gives less than this probability (``drafters.base.ConfidenceStop``); None: a
+        directory's recorded one (``bench --record``), else none; 0: none.
         """
         self.vocabulary, self.head = None, None
         self.reuse_prompt = reuse_prompt
@@ -69,10 +72,16 @@ class DraftModel:
             hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
                                        f"got {type(model).__name__}{hint}")
+        self.p_min = check_p_min(p_min, self.path if isinstance(self.path, str) and os.path.isdir(self.path) else None)
 
     @property
     def vocab_size(self) -> int:
         return self.backend.vocab_size
+
+    @property
+    def setting(self) -> str:
+        """What bench's labels show of this drafter's own settings."""
+        return "" if self.p_min is None else f"p>={self.p_min:g}"
 
     def check_compatible(self, target) -> None:
         """Same token ids must mean the same strings, or drafts are meaningless to the target."""
@@ -102,7 +111,7 @@ class DraftModel:
             self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, llama.drafter_qtype(self),
                                           rows=self.vocabulary)
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
-                                    self.vocabulary, adopts_prompt=self.copies_target)
+                                    self.vocabulary, adopts_prompt=self.copies_target, p_min=self.p_min)
         if self.vocabulary is not None:
             session.cache.logit_head = self.head
         return session
@@ -130,7 +139,8 @@ CATCH_UP = 2  # a copy of the target further behind than this takes the target's
 
 class DraftModelSession:
     def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int,
-                 vocabulary: torch.Tensor | None = None, adopts_prompt: bool = False):
+                 vocabulary: torch.Tensor | None = None, adopts_prompt: bool = False, p_min: float | None = None):
+        self.p_min = p_min
         self.vocabulary = vocabulary  # the target ids of the head's rows, or None: the whole head
         self.adopts_prompt = adopts_prompt  # a copy of the target: the target's keys and values of the prompt
         self.sampling = context.sampling
@@ -189,17 +199,16 @@ class DraftModelSession:
         if self.tree is not None:
             return self._propose_tree(logits[:, -1])
         drafts, dists = [], []
-        token, probs = self._next(logits[:, -1])
-        drafts.append(token)
-        dists.append(probs)
-        for _ in range(k - 1):
-            logits, _ = self.cache.forward(token[:, None], None, logits_to_keep=1)  # None: every row live
+        stop = ConfidenceStop(self.p_min, seqs.batch_size, tokens.device)
+        for step in range(k):
+            if step:
+                logits, _ = self.cache.forward(drafts[-1][:, None], None, logits_to_keep=1)  # None: every row live
             token, probs = self._next(logits[:, -1])
+            if not stop.admit(logits[:, -1], probs):
+                break
             drafts.append(token)
             dists.append(probs)
-        lengths = torch.full((seqs.batch_size,), k, dtype=torch.long, device=tokens.device)
-        stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
-        return Proposal(torch.stack(drafts, dim=1), lengths, stacked)
+        return stop.proposal(drafts, None if self.sampling.greedy else dists)
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [..., V] that rank tree candidates (warped when sampling)."""

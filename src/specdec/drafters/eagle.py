@@ -18,8 +18,8 @@ import torch
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
-from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
-                                   read_draft_vocabulary, recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, FeatureSpec, Proposal, TargetFeatures, check_p_min,
+                                   draft_from, read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.tree import dynamic_tree, tree_scores
 
 
@@ -29,10 +29,15 @@ class Eagle:
     ``version``: refuse a folder of the other version (1 or 3); None accepts either.
     """
 
-    def __init__(self, path: str | os.PathLike, version: int | None = None, draft_vocab: bool = True):
+    def __init__(self, path: str | os.PathLike, version: int | None = None, draft_vocab: bool = True,
+                 p_min: float | None = None):
         """``draft_vocab``: EAGLE-1 drafts from the folder's draft vocabulary (``specdec train draft-vocab``) when
-        it has one; False: from the target's whole head."""
+        it has one; False: from the target's whole head. ``p_min`` (llama.cpp's ``--draft-p-min``): a row's
+        chain stops before its first draft whose most likely token the drafter gives less than this
+        probability (``drafters.base.ConfidenceStop``); None: the folder's recorded one (``bench --record``),
+        else none; 0: none."""
         self.path = str(path)
+        self.p_min = check_p_min(p_min, self.path)
         self.net = eagle.load_net(path, expect_version=version)
         self.config = self.net.config
         self.vocabulary = None
@@ -47,6 +52,11 @@ class Eagle:
     @property
     def version(self) -> int:
         return self.config.version
+
+    @property
+    def setting(self) -> str:
+        """What bench's labels show of this drafter's own settings."""
+        return "" if self.p_min is None else f"p>={self.p_min:g}"
 
     def check_target(self, target) -> None:
         check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
@@ -63,7 +73,7 @@ class Eagle:
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":
         self.check_target(context.target)
-        return EagleSession(self.runtime(context.target), context, seqs.batch_size)
+        return EagleSession(self.runtime(context.target), context, seqs.batch_size, self.p_min)
 
 
 def require_kernels(target, what: str) -> None:
@@ -85,8 +95,9 @@ def check_target(drafter, record, hidden: int, vocab: int, target, what: str) ->
 
 
 class EagleSession:
-    def __init__(self, runtime: eagle.EagleRuntime, context: DecodeContext, batch_size: int):
-        self.runtime = runtime
+    def __init__(self, runtime: eagle.EagleRuntime, context: DecodeContext, batch_size: int,
+                 p_min: float | None = None):
+        self.runtime, self.p_min = runtime, p_min
         self.sampling, self.generator = context.sampling, context.generator
         self.pad = context.target.pad_token_id
         self.vocab = context.target.vocab_size
@@ -101,25 +112,23 @@ class EagleSession:
         out = self.cache.run(tokens, features.states.flatten(2), features.valid)  # [B, m, H]
         self.last = out[:, -1]
 
-    def _next(self, out: torch.Tensor):
-        return draft_from(self.runtime.logits(out), self.runtime.draft_ids, self.vocab, self.sampling, self.generator)
-
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         self.base = self.cache.lengths.clone()
         if self.tree is not None:
             return self._propose_tree()
-        batch = self.last.shape[0]
         out = self.last
         drafts, dists = [], []
+        stop = ConfidenceStop(self.p_min, out.shape[0], out.device)
         for step in range(k):
-            token, probs = self._next(out)
+            logits = self.runtime.logits(out)
+            token, probs = draft_from(logits, self.runtime.draft_ids, self.vocab, self.sampling, self.generator)
+            if not stop.admit(logits, probs):
+                break
             drafts.append(token)
             dists.append(probs)
             if step + 1 < k:
                 out = self.cache.step(token, out)
-        lengths = torch.full((batch,), k, dtype=torch.long, device=self.last.device)
-        stacked = None if self.sampling.greedy else torch.stack(dists, dim=1)  # [B, k, V]
-        return Proposal(torch.stack(drafts, dim=1), lengths, stacked)
+        return stop.proposal(drafts, None if self.sampling.greedy else dists)
 
     def _scores(self, out: torch.Tensor) -> torch.Tensor:
         """Log-scores over the draft vocabulary slots (warped when sampling)."""

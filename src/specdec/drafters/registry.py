@@ -38,7 +38,7 @@ def _draft_model(folder, options):
     from specdec.drafters.draft_model import DraftModel
     return DraftModel(folder, dtype=parse_dtype(getattr(options, "dtype", "float32")),
                       backend=getattr(options, "backend", None) or "auto",
-                      quantize=getattr(options, "draft_quantize", None))
+                      quantize=getattr(options, "draft_quantize", None), p_min=getattr(options, "draft_p_min", None))
 
 
 def _prompt_lookup(folder, options):
@@ -66,7 +66,7 @@ def _medusa(folder, options):
 def _eagle(version):
     def build(folder, options):
         from specdec.drafters.eagle import Eagle
-        return Eagle(folder, version=version)
+        return Eagle(folder, version=version, p_min=getattr(options, "draft_p_min", None))
     return build
 
 
