@@ -495,3 +495,6 @@ python docs/measurements/draft_p_min.py eagle3 10 "2@-,4@-,4@0.2,4@0.3,6@0.3" $O
 python docs/measurements/draft_p_min.py eagle 10 "2@-,4@-,4@0.2,4@0.3,6@0.2" $OUT/draft-p-min-eagle-zen3-s24.json
 python docs/measurements/draft_p_min.py q4_1 10 "4@-,4@0.1,4@0.3,6@0.2" $OUT/draft-p-min-q4_1-zen3-s24.json
 specdec demo > $OUT/demo-zen3-s24.txt 2>&1   # EAGLE at its recorded k = 4 and p_min
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter eagle3 --draft $D/eagle3 --modes plain fixed \
+  load-aware --concurrency 1 4 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/eagle3-serve-zen3-s24.json
