@@ -4,7 +4,7 @@ prompt, every output compared with plain decoding.
     python docs/measurements/draft_p_min.py DRAFTER PROMPTS SETTINGS [OUT.json]
     e.g. python docs/measurements/draft_p_min.py eagle3 10 "2@-,4@0.2,4@0.3,6@0.3"
 
-DRAFTER: eagle, eagle3 (the committed smollm2-135m folders) or q4_1 (the shipped Q4_1 file as draft model);
+DRAFTER: eagle, eagle3, draft (the committed smollm2-135m folders) or q4_1 (the shipped Q4_1 file as draft model);
 PROMPTS: held-out prompts of each of sharegpt and humaneval; SETTINGS: k@p_min, "-" for no cut. bfloat16
 target, 2 threads, 128 new tokens, greedy, batch 1.
 """
@@ -30,6 +30,8 @@ target = specdec.load_target("smollm2-135m", dtype=torch.bfloat16)
 def drafter(p_min):
     if name == "q4_1":
         return DraftModel("smollm2-135m-q4_1", p_min=p_min)
+    if name == "draft":  # the distilled draft model, in the target's dtype
+        return DraftModel(zoo_path("smollm2-135m/draft"), dtype=torch.bfloat16, p_min=p_min)
     return Eagle(zoo_path(f"smollm2-135m/{name}"), p_min=p_min)
 
 

@@ -498,3 +498,4 @@ specdec demo > $OUT/demo-zen3-s24.txt 2>&1   # EAGLE at its recorded k = 4 and p
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter eagle3 --draft $D/eagle3 --modes plain fixed \
   load-aware --concurrency 1 4 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/eagle3-serve-zen3-s24.json
+python docs/measurements/draft_p_min.py draft 10 "2@-,4@-,4@0.3,4@0.5,6@0.4" $OUT/draft-p-min-draft-zen3-s24.json
