@@ -237,8 +237,8 @@ def over_vocabulary(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) 
 
 def check_p_min(p_min: float | None, folder: str | None = None) -> float | None:
     """The cut a drafter applies (None: none) from its ``p_min`` argument: a probability in (0, 1); 0: no cut;
-    None: the one ``folder`` records as measured fastest (``recorded_defaults``), if any. Anything else is one
-    line."""
+    None: the one ``folder`` records beside its fastest setting (``recorded_p_min``), if any. Anything else is
+    one line."""
     if p_min is None:
         return recorded_p_min(folder) if folder else None
     if not 0.0 <= float(p_min) < 1.0:
