@@ -499,3 +499,8 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter eagle3 --dr
   load-aware --concurrency 1 4 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/eagle3-serve-zen3-s24.json
 python docs/measurements/draft_p_min.py draft 10 "2@-,4@-,4@0.3,4@0.5,6@0.4" $OUT/draft-p-min-draft-zen3-s24.json
+for run in 1 2; do   # under load; the first run with the fixed policy too
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter eagle3 --draft $D/eagle3 --modes plain \
+    $([ $run = 1 ] && echo fixed) load-aware --concurrency 16 64 --requests-per-client 1 --max-tokens 64 \
+    --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/eagle3-serve-load-zen3-s24-$run.json
+done
