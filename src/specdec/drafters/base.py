@@ -168,9 +168,9 @@ class StatelessSession:
         pass
 
 
-def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
-    """(k, tree) a drafter folder records as measured fastest (``specdec bench --record``), each None
-    when it records none: what a generation that asks for neither uses."""
+def recorded_setting(folder: str) -> dict:
+    """The setting a drafter folder records as measured fastest (``specdec bench --record``: its config.json's
+    ``specdec.defaults``), {} when it records none or the file does not read."""
     import json
     import os
 
@@ -178,21 +178,21 @@ def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
             best = (json.load(handle).get("specdec") or {}).get("defaults") or {}
     except (OSError, ValueError, AttributeError):
-        return None, None
+        return {}
+    return best if isinstance(best, dict) else {}
+
+
+def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:
+    """(k, tree) a drafter folder records as measured fastest, each None when it records none: what a
+    generation that asks for neither uses."""
+    best = recorded_setting(folder)
     tree = best.get("tree")
     return best.get("num_draft_tokens"), TreeConfig(*tree) if tree else None
 
 
 def recorded_p_min(folder: str) -> float | None:
     """The confidence cut (``ConfidenceStop``'s p_min) a drafter folder records with its fastest setting, or None."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
-            value = ((json.load(handle).get("specdec") or {}).get("defaults") or {}).get("p_min")
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = recorded_setting(folder).get("p_min")
     return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
 
 

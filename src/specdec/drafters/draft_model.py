@@ -72,7 +72,7 @@ class DraftModel:
             hint = " (target.model is None on the native backend: pass the Target itself)" if model is None else ""
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
                                        f"got {type(model).__name__}{hint}")
-        self.p_min = check_p_min(p_min, self.path if isinstance(self.path, str) and os.path.isdir(self.path) else None)
+        self.p_min = check_p_min(p_min, self.path)  # a folder's recorded cut (a file or a loaded model: none)
 
     @property
     def vocab_size(self) -> int:
