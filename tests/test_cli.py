@@ -204,3 +204,34 @@ def test_draft_p_min(capsys, model_dirs):
     assert json.loads(cut)["stats"]["drafts_proposed"] < json.loads(plain)["stats"]["drafts_proposed"]
     code, _, err = run(capsys, *base, "--draft-p-min", 1.5)
     assert_one_line_error(code, err, "p_min must be in (0, 1)")
+
+
+def test_bench_measures_several_cuts_and_records_the_fastest(capsys, model_dirs, tmp_path):
+    """bench --draft-p-min P1 P2 ...: every drafter that takes a cut runs at each (labels tell them apart),
+    the others once; --record keeps the fastest row's k and cut; a cut no measured drafter takes, or one
+    given to a drafter that takes none, is one line."""
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(model_dirs["llama-draft"], draft)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"x = 1\\ny = x + 1\\n"\n"def f(a):\\n    return a"\n')
+    common = ["--target", model_dirs["llama"], "--prompts", prompts, "--no-transformers", "--max-new-tokens", 12]
+    code, out, _ = run(capsys, "bench", *common, "--draft", draft, "-k", 2, 4, "--draft-p-min", 0, 0.3, 0.99,
+                       "--record", "--json")
+    assert code == 0
+    result = json.loads(out)
+    rows = [r for r in result["rows"] if r["family"] == "draft-model"]
+    assert result["outputs_identical"] and len(rows) == 6 and len({r["method"] for r in rows}) == 6
+    assert sorted({str(r["p_min"]) for r in rows}) == ["0.3", "0.99", "None"]
+    assert {r["method"] for r in rows if r["p_min"] == 0.3} == {"specdec draft-model k=2 p>=0.3",
+                                                                "specdec draft-model k=4 p>=0.3"}
+    assert len([r for r in result["rows"] if r["family"] == "prompt-lookup"]) == 2  # takes no cut: once per k
+    best = max(rows, key=lambda r: r["speedup_vs_plain"])
+    recorded = json.loads((draft / "config.json").read_text())["specdec"]["defaults"]
+    assert (recorded["num_draft_tokens"], recorded.get("p_min")) == (best["k"], best["p_min"])
+    code, _, err = run(capsys, "bench", *common, "--draft-p-min", 0.3)
+    assert_one_line_error(code, err, "none of the drafters measured takes it")
+    code, _, err = run(capsys, "generate", "--target", model_dirs["llama"], "--prompt", "x = 1", "--drafter",
+                       "prompt-lookup", "--draft-p-min", 0.3)
+    assert_one_line_error(code, err, "--draft-p-min cuts the chains of draft-model, eagle, eagle3, mtp")

@@ -177,7 +177,7 @@ def recorded_drafts(monkeypatch, cls):
 
     def propose(self, seqs, k):
         proposal = original(self, seqs, k)
-        drafts.append(proposal.tokens.tolist())
+        drafts.append((proposal.tokens.tolist(), proposal.lengths.tolist()))
         return proposal
     monkeypatch.setattr(cls, "propose", propose)
     return drafts
@@ -226,15 +226,16 @@ def test_training_forward_is_what_transformers_runs(mtp_dirs):
             previous = expected
 
 
+@pytest.mark.parametrize("p_min", (None, 0.25))  # 0.25: about half of these first drafts' tops lie below it
 @pytest.mark.parametrize("design", ("sequential", "parallel"))
-def test_mtp_sampling_keeps_the_targets_distribution(design, tokenizer, tmp_path):
+def test_mtp_sampling_keeps_the_targets_distribution(design, p_min, tokenizer, tmp_path):
     config = SamplingConfig(1.0, 6, None)
     folder = save_tiny_mtp(tmp_path / design, "llama", design, 2, tokenizer, init_std=0.15)
     target = specdec.load_target(folder, dtype=torch.bfloat16, backend="native")
     target.eos_token_ids = ()
     prompt = target.encode(["x = x + 1\nx = x"])[0]
     exact = native_two_token_distribution(target, prompt, config)
-    assert chi_square_p(sampled_pairs(target, prompt, MTP(), config), exact) > P_VALUE
+    assert chi_square_p(sampled_pairs(target, prompt, MTP(p_min=p_min), config), exact) > P_VALUE
 
 
 def test_mtp_refusals(deep_dirs, mtp_dirs):
@@ -389,3 +390,29 @@ def test_bad_mtp_folders_are_one_line(mtp_dirs, tmp_path, capsys):
                      "--prompt", "x = 1", "--max-new-tokens", "4"]) == 2
         err = capsys.readouterr().err.strip()
         assert text in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("design", ("sequential", "parallel"))
+def test_mtp_p_min_cuts_each_rows_chain_and_keeps_the_output(design, mtp_dirs, monkeypatch):
+    """llama.cpp's --draft-p-min on MTP: a row stops before its first draft the modules are less sure of than
+    p_min (past the last module too), rows of a ragged bfloat16 batch apart; greedy output stays plain
+    decoding's; drafts per step fall as p_min rises; the transformers backend's recompute proposes what the
+    native caches propose with the same cut."""
+    target, prompts, reference = bfloat16_with_eos(mtp_dirs["qwen3", design])
+    counts = []
+    for p_min in (None, 0.02, 0.05, 0.1, 0.9):
+        drafter = MTP(p_min=p_min)
+        assert drafter.setting == ("" if p_min is None else f"p>={p_min:g}")
+        assert_equal_to(target, prompts, reference, [(drafter, dict(num_draft_tokens=4))], 40)
+        stats = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=4, max_new_tokens=40).stats
+        counts.append(stats.drafts_proposed / stats.target_forwards)
+    assert counts == sorted(counts, reverse=True) and counts[-1] < counts[0]
+    assert any(0 < c < counts[0] for c in counts)
+    native_cls = mtp_drafter.NativeSequential if design == "sequential" else mtp_drafter.NativeParallel
+    native = recorded_drafts(monkeypatch, native_cls)
+    reference_drafts = recorded_drafts(monkeypatch, mtp_drafter.RecomputeSession)
+    for backend in ("native", "hf"):
+        cut = specdec.load_target(mtp_dirs["llama", design], backend=backend)
+        specdec.generate(cut, PROMPTS[:3], drafter=MTP(p_min=0.05), num_draft_tokens=4, max_new_tokens=24)
+    assert native and native == reference_drafts
+    assert any(0 < length < 4 for _, lengths in native for length in lengths)

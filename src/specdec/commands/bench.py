@@ -322,13 +322,15 @@ def block_ks(drafter, block_sizes) -> list[int]:
 
 
 def drafter_note(engine: Engine, name: str, drafter) -> str:
-    """Tells apart two drafters of one method measured together (their folders' names)."""
+    """Tells apart two drafters of one method measured together by their folders' names (one folder at
+    several cuts: their settings, which the labels carry, tell them apart)."""
     same = [d for other, d in engine.drafters if other == name]
-    if len(same) < 2:
+    keys = [(Path(getattr(d, "path", "") or name).name, getattr(d, "setting", "")) for d in same]
+    if len({folder for folder, _ in keys}) < 2 and len(set(keys)) == len(keys):
         return ""
-    names = [Path(getattr(d, "path", "") or name).name for d in same]
     index = next(i for i, d in enumerate(same) if d is drafter)
-    return f"({names[index]})" if names.count(names[index]) == 1 else f"({names[index]} #{index + 1})"
+    folder = keys[index][0]
+    return f"({folder})" if keys.count(keys[index]) == 1 else f"({folder} #{index + 1})"
 
 
 def own_setting(drafter, ks) -> tuple[list[int], tuple]:
@@ -712,7 +714,7 @@ def add_bench_command(commands) -> None:
 
     bench = commands.add_parser("bench", help="compare plain, draft-model and prompt-lookup decoding, "
                                               "specdec against transformers, in one run")
-    add_model_arguments(bench, several_backends=True)
+    add_model_arguments(bench, several=True)
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", metavar="FILE.jsonl")
     source.add_argument("--tasks", metavar="NAME", nargs="+",
@@ -801,18 +803,24 @@ def run_bench_command(args) -> int:
 
     own = [(name, folder) for name, folder in requested if self_drafting(name, folder)]
     requested = [(name, folder) for name, folder in requested if not self_drafting(name, folder)]
+    p_mins = p_min_values(args.draft_p_min, [name for name, _ in requested + own] + [DRAFT_MODEL] * bool(args.draft))
+
+    def drafters(name, folder, backend):  # one per cut when the method takes --draft-p-min
+        cuts = p_mins if REGISTRY[name].p_min else [None]
+        return [make_drafter(name, args, backend=backend, folder=folder, draft_p_min=p) for p in cuts]
+
     engines, variants = [], []
     for backend in dict.fromkeys(args.backend):
         target = load_target(args.target, dtype=args.dtype, backend=backend,
                              quantize=args.quantize if backend != "hf" else None)
-        draft = make_drafter("draft-model", args, backend=backend) if args.draft else None
+        draft, *more = drafters(DRAFT_MODEL, args.draft, backend) if args.draft else [None]
         if draft is not None:
             draft.check_compatible(target)
-        trained = tuple((name, make_drafter(name, args, backend=backend, folder=folder)) for name, folder in requested)
-        engines.append(Engine(target, draft, trained))
+        trained = tuple((name, drafter) for name, folder in requested for drafter in drafters(name, folder, backend))
+        engines.append(Engine(target, draft, tuple((DRAFT_MODEL, d) for d in more) + trained))
         for name, folder in own:
             variants.append(variant_engine(name, folder, args.dtype, backend, args.exit_layers, args.mtp_depths,
-                                           len(args.backend) > 1))
+                                           len(args.backend) > 1, p_mins=p_mins))
     first = engines[0]
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -836,6 +844,19 @@ def run_bench_command(args) -> int:
         for name, folder in entries:
             record_fastest(result, name, folder, measured_on, several=sum(other == name for other, _ in entries) > 1)
     return 0 if result["outputs_identical"] is not False else 1
+
+
+def p_min_values(given: list[float] | None, names: list[str]) -> list[float | None]:
+    """The cuts bench measures (--draft-p-min's values; none given: each folder's own, [None]); one line when
+    none of the drafters measured takes a cut."""
+    from specdec.drafters.registry import REGISTRY
+
+    if not given:
+        return [None]
+    if not any(REGISTRY[name].p_min for name in names):
+        takers = ", ".join(e.name for e in REGISTRY.values() if e.p_min)
+        raise InvalidArgumentError(f"--draft-p-min cuts the chains of {takers}; none of the drafters measured takes it")
+    return list(dict.fromkeys(given))
 
 
 def record_fastest(result: dict, name: str, folder: str, measured_on: str, several: bool = False) -> dict | None:
@@ -892,10 +913,10 @@ def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
 
 
 def variant_engine(name: str, folder, dtype="float32", backend: str = "auto", exit_layers=(), depths=(),
-                   tagged: bool = False, recompute: bool = True) -> Engine:
+                   tagged: bool = False, recompute: bool = True, p_mins=(None,)) -> Engine:
     """A self-drafting model as an engine of its own: its plain decoding and its drafter, at every exit
     layer asked for (each with and, when ``recompute``, without reusing the drafted layers) or every
-    MTP depth (default: the folder's exit layer, all its modules)."""
+    MTP depth (default: the folder's exit layer, all its modules), MTP at each cut of ``p_mins``."""
     from specdec.backends.target import load_target
     from specdec.drafters import MTP, EarlyExit
 
@@ -906,7 +927,7 @@ def variant_engine(name: str, folder, dtype="float32", backend: str = "auto", ex
         for _, drafter in drafters:
             drafter.exit_for(target)  # an exit layer outside [1, L): one line before any work
     else:
-        drafters = [(name, MTP(depth)) for depth in (depths or [None])]
+        drafters = [(name, MTP(depth, p_min=p_min)) for depth in (depths or [None]) for p_min in p_mins]
     label = Path(folder).name + (f"/{target.backend.description}" if tagged else "")
     return Engine(target, None, tuple(drafters), variant=label)
 

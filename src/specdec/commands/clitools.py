@@ -38,7 +38,9 @@ def policy_text(text: str) -> str:
 BACKENDS = ("auto", "native", "hf")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool = False) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """The target, drafter and backend options; ``several``: bench's, where --backend and --draft-p-min take
+    several values, measured side by side."""
     parser.add_argument("--target", required=True, metavar="DIR", help="target model directory (Hugging Face layout)")
     parser.add_argument("--draft", "--speculative-draft-model-path", dest="draft", metavar="DIR",
                         help="the drafter's folder (draft-model, medusa, eagle, eagle3, dflash)")
@@ -50,7 +52,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         choices=("q8_0", "q4_0", "q4_1"), default=None,
                         help="draft-model: block-quantize the draft model at load (native backend); with --draft "
                              "naming the target itself, the target's quantized copy drafts for it")
-    if several_backends:
+    if several:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
                             help="forward pass(es) to measure: native (specdec's own, Llama family), hf "
                                  "(transformers), auto (native where supported; default); several run side by side")
@@ -74,10 +76,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, several_backends: bool 
                         help="early-exit: verify with the whole network instead of reusing the drafted layers")
     parser.add_argument("--mtp-depth", type=int, default=None, metavar="D",
                         help="mtp: use the first D modules or heads (default: all)")
-    parser.add_argument("--draft-p-min", type=float, default=None, metavar="P",
-                        help="draft-model, eagle, eagle3: stop a row's chain before its first draft whose most likely "
-                             "token the drafter gives less than P (llama.cpp's --draft-p-min; default: the one the "
-                             "drafter's folder records, else none; 0: none)")
+    parser.add_argument("--draft-p-min", type=float, default=None, metavar="P", nargs="+" if several else None,
+                        help="draft-model, eagle, eagle3, mtp: stop a row's chain before its first draft whose most "
+                             "likely token the drafter gives less than P (llama.cpp's --draft-p-min; default: the one "
+                             "the drafter's folder records, else none; 0: none)"
+                             + ("; several: each measured, and --record keeps the fastest" if several else ""))
     parser.add_argument("--medusa-choices", type=tree_paths, default=None, metavar="JSON",
                         help="Medusa: the candidate tree as index paths, e.g. '[[0], [0, 0], [1]]' "
                              "(default: the folder's medusa_choices, chosen from held-out acceptance)")
@@ -143,13 +146,15 @@ def check_draft_quantize(args, drafter: str) -> None:
         raise InvalidArgumentError("--draft-quantize quantizes a draft model: give --drafter draft-model and --draft DIR")
 
 
-def make_drafter(name: str, args, backend: str | None = None, folder=None):
-    """The drafter named on the command line (the registry's name or an alias), loaded."""
+def make_drafter(name: str, args, backend: str | None = None, folder=None, **overrides):
+    """The drafter named on the command line (the registry's name or an alias), loaded; ``overrides``: options
+    that differ from ``args`` (bench: one of several --draft-p-min values)."""
     import copy
 
     from specdec.drafters.registry import build
 
     options = copy.copy(args)
+    vars(options).update(overrides)
     if backend is not None:
         options.backend = backend
     return build(name, folder if folder is not None else getattr(args, "draft", None), options)

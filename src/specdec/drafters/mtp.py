@@ -25,19 +25,22 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import (DecodeContext, FeatureSpec, Proposal, TargetFeatures, draft_from,
-                                   read_draft_vocabulary, recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, FeatureSpec, Proposal, TargetFeatures, check_p_min,
+                                   draft_from, read_draft_vocabulary, recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 
 
 class MTP:
     """Draft with the target's own MTP modules or heads (the first ``depth`` of them; None: all), or with
     sequential modules trained on the unchanged target and kept in a folder of their own (``modules``:
-    ``specdec train mtp`` on a real target; native backend)."""
+    ``specdec train mtp`` on a real target; native backend). ``p_min`` (llama.cpp's ``--draft-p-min``): a
+    row's chain stops before its first draft whose most likely token the modules give less than ``p_min``
+    (``ConfidenceStop``; on the transformers backend the drafts are computed to k and the proposal cut);
+    None: the one the modules' folder records (``bench --record``), else no cut; 0: no cut."""
 
     name = "mtp"
 
-    def __init__(self, depth: int | None = None, modules: str | None = None):
+    def __init__(self, depth: int | None = None, modules: str | None = None, p_min: float | None = None):
         if depth is not None and int(depth) < 1:
             raise DrafterMismatchError(f"MTP depth must be >= 1, got {depth}")
         self.depth = None if depth is None else int(depth)
@@ -45,8 +48,14 @@ class MTP:
         if self.modules is not None:
             self._record, self._config = modules_record(self.modules)
             self.default_draft_tokens, _ = recorded_defaults(self.modules)  # bench --record's fastest k
+        self.p_min = check_p_min(p_min, self.modules)
         self.features = FeatureSpec()
         self._loaded: dict = {}
+
+    @property
+    def setting(self) -> str:
+        """What bench labels tell apart: the cut."""
+        return "" if self.p_min is None else f"p>={self.p_min:g}"
 
     def modules_for(self, target):
         """(MtpConfig or None for transformers' modules, the modules in the form the backend runs)."""
@@ -119,25 +128,47 @@ class MTP:
         self.features = FeatureSpec(hidden_layers=(layers,) if design == "sequential" else (layers - 1,))
         if getattr(target.backend, "name", "") == "native":
             kind = NativeSequential if design == "sequential" else NativeParallel
-            return kind(modules, context, seqs.batch_size)
-        return RecomputeSession(design, depth, modules, target, context, seqs.batch_size)
+            return kind(modules, context, seqs.batch_size, self.p_min)
+        return RecomputeSession(design, depth, modules, target, context, seqs.batch_size, self.p_min)
 
 
 class Drafting:
-    """Draft tokens (and distributions when sampling) from logits [B, V]."""
+    """Draft tokens (and distributions when sampling) from logits [B, V], each row's chain cut before its
+    first unsure draft (``p_min``, ConfidenceStop)."""
 
-    def __init__(self, context: DecodeContext):
+    def __init__(self, context: DecodeContext, p_min: float | None = None):
         self.sampling, self.generator = context.sampling, context.generator
         self.pad, self.vocab = context.target.pad_token_id, context.target.vocab_size
+        self.p_min = p_min
 
-    def next(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
-        """``ids``: the target id of each logit's slot (a draft vocabulary), None: the whole vocabulary."""
-        return draft_from(logits, ids, self.vocab, self.sampling, self.generator)
+    def chain(self, batch_size: int, device) -> "Chain":
+        return Chain(self, ConfidenceStop(self.p_min, batch_size, device))
 
-    def proposal(self, drafts: list, dists: list) -> Proposal:
-        tokens = torch.stack(drafts, dim=1)
-        lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
-        return Proposal(tokens, lengths, None if self.sampling.greedy else torch.stack(dists, dim=1))
+
+class Chain:
+    """One step's drafts: ``take`` drafts from logits and says whether any row goes on."""
+
+    def __init__(self, drafting: Drafting, stop: ConfidenceStop):
+        self.drafting, self.stop = drafting, stop
+        self.drafts: list[torch.Tensor] = []
+        self.dists: list[torch.Tensor] = []
+
+    def take(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> bool:
+        """Draft from ``logits`` [B, V] (``ids``: the target id of each logit's slot, a draft vocabulary;
+        None: the whole vocabulary); False when no row is sure enough of it (it is then not proposed)."""
+        d = self.drafting
+        token, probs = draft_from(logits, ids, d.vocab, d.sampling, d.generator)
+        if not self.stop.admit(logits, probs):
+            return False
+        self.drafts.append(token)
+        self.dists.append(probs)
+        return True
+
+    def __len__(self) -> int:
+        return len(self.drafts)
+
+    def proposal(self) -> Proposal:
+        return self.stop.proposal(self.drafts, None if self.drafting.sampling.greedy else self.dists)
 
 
 def shift_in(last: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -153,8 +184,8 @@ class NativeModules(Drafting):
     """What both native designs keep: one KV cache per module or head, and each one's output at its
     last committed slot."""
 
-    def __init__(self, runtime, context: DecodeContext, batch_size: int):
-        super().__init__(context)
+    def __init__(self, runtime, context: DecodeContext, batch_size: int, p_min: float | None = None):
+        super().__init__(context, p_min)
         self.runtime = runtime
         self.caches = [runtime.new_cache(i, batch_size, context.cache_capacity) for i in range(runtime.depth)]
         self.last: list[torch.Tensor] = []   # per module [B, H]
@@ -171,8 +202,8 @@ class NativeModules(Drafting):
 
 
 class NativeSequential(NativeModules):
-    def __init__(self, runtime, context: DecodeContext, batch_size: int):
-        super().__init__(runtime, context, batch_size)
+    def __init__(self, runtime, context: DecodeContext, batch_size: int, p_min: float | None = None):
+        super().__init__(runtime, context, batch_size, p_min)
         self.base: list[torch.Tensor] | None = None
 
     def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
@@ -194,27 +225,24 @@ class NativeSequential(NativeModules):
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         runtime = self.runtime
         self.base = [cache.lengths.clone() for cache in self.caches]
-        drafts, dists = [], []
-        token, probs = self.next(runtime.logits(0, self.last[0]), runtime.draft_ids)
-        drafts.append(token)
-        dists.append(probs)
+        chain = self.chain(self.last[0].shape[0], self.last[0].device)
+        if not chain.take(runtime.logits(0, self.last[0]), runtime.draft_ids):
+            return chain.proposal()
         # Module i drafts at slots n + 1 - i .. n (n: the last committed position): their tokens are
         # drafts 1 .. i, their previous states module i - 1's last committed output and drafted outputs.
         outputs = self.last[0][:, :0, None].expand(-1, 0, self.last[0].shape[1])  # module 0 drafts no slot
         for index in range(1, min(k, runtime.depth)):
             previous = torch.cat([self.last[index - 1][:, None], outputs], dim=1)  # [B, index, H]
-            outputs = self.caches[index].run(torch.stack(drafts, dim=1), previous)
-            token, probs = self.next(runtime.logits(index, outputs[:, -1]), runtime.draft_ids)
-            drafts.append(token)
-            dists.append(probs)
+            outputs = self.caches[index].run(torch.stack(chain.drafts, dim=1), previous)
+            if not chain.take(runtime.logits(index, outputs[:, -1]), runtime.draft_ids):
+                return chain.proposal()
         final = self.caches[runtime.depth - 1]
         out = outputs[:, -1] if outputs.shape[1] else self.last[runtime.depth - 1]
-        while len(drafts) < k:  # past the last module: reuse it, fed its own output
-            out = final.run(drafts[-1][:, None], out[:, None])[:, -1]
-            token, probs = self.next(runtime.logits(runtime.depth - 1, out), runtime.draft_ids)
-            drafts.append(token)
-            dists.append(probs)
-        return self.proposal(drafts, dists)
+        while len(chain) < k:  # past the last module: reuse it, fed its own output
+            out = final.run(chain.drafts[-1][:, None], out[:, None])[:, -1]
+            if not chain.take(runtime.logits(runtime.depth - 1, out), runtime.draft_ids):
+                break
+        return chain.proposal()
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         if self.base is not None:
@@ -231,12 +259,11 @@ class NativeParallel(NativeModules):
         self.last = [cache.run(dummy, trunk, features.valid)[:, -1] for cache in self.caches]
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
-        drafts, dists = [], []
+        chain = self.chain(self.last[0].shape[0], self.last[0].device)
         for index in range(min(k, self.runtime.depth)):
-            token, probs = self.next(self.runtime.logits(index, self.last[index]), self.runtime.draft_ids)
-            drafts.append(token)
-            dists.append(probs)
-        return self.proposal(drafts, dists)
+            if not chain.take(self.runtime.logits(index, self.last[index]), self.runtime.draft_ids):
+                break
+        return chain.proposal()
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # drafting adds nothing to the heads' caches
@@ -245,8 +272,9 @@ class NativeParallel(NativeModules):
 class RecomputeSession(Drafting):
     """Transformers backend: per row, the modules over its whole committed context at every step."""
 
-    def __init__(self, design: str, depth: int, modules, target, context: DecodeContext, batch_size: int):
-        super().__init__(context)
+    def __init__(self, design: str, depth: int, modules, target, context: DecodeContext, batch_size: int,
+                 p_min: float | None = None):
+        super().__init__(context, p_min)
         self.design, self.depth, self.modules = design, depth, modules
         self.head = target.model.get_output_embeddings()
         self.states: list[torch.Tensor] = [None] * batch_size  # per row [n, H]: features of committed tokens
@@ -263,25 +291,35 @@ class RecomputeSession(Drafting):
         for row, states in enumerate(self.states):
             tokens = seqs.tokens[row, : int(seqs.lengths[row])]
             rows.append(self._row(states, tokens, k))
-        drafts = [torch.stack([r[0][j] for r in rows]) for j in range(len(rows[0][0]))]
-        dists = [None if self.sampling.greedy else torch.stack([r[1][j] for r in rows]) for j in range(len(drafts))]
-        return self.proposal(drafts, dists)
+        # every row drafted to k; the cut then reads each draft's distribution, position by position
+        stop = ConfidenceStop(self.p_min, len(rows), seqs.tokens.device)
+        drafts, dists = [], []
+        for j in range(len(rows[0][0])):
+            logits = torch.stack([r[2][j] for r in rows])
+            probs = None if self.sampling.greedy else torch.stack([r[1][j] for r in rows])
+            if not stop.admit(logits, probs):
+                break
+            drafts.append(torch.stack([r[0][j] for r in rows]))
+            dists.append(probs)
+        return stop.proposal(drafts, None if self.sampling.greedy else dists)
 
     def _row(self, states: torch.Tensor, tokens: torch.Tensor, k: int):
-        """Drafts of one row: states [n, H] of tokens 1..n, tokens [n + 1] (the pending one last)."""
+        """(drafts, their distributions when sampling, their logits) of one row: states [n, H] of tokens
+        1..n, tokens [n + 1] (the pending one last)."""
         n = states.shape[0]
         positions = torch.arange(1, n + 1, device=states.device)[None]
-        drafts, dists = [], []
+        drafts, dists, scores = [], [], []
 
         def take(logits):
-            token, probs = self.next(logits[None])
+            token, probs = draft_from(logits[None], None, self.vocab, self.sampling, self.generator)
             drafts.append(token[0])
             dists.append(None if probs is None else probs[0])
+            scores.append(logits)
 
         if self.design == "parallel":
             for head in self.modules.modules_[: min(k, self.depth)]:
                 take(self.head(head(states[None], positions))[0, -1].float())
-            return drafts, dists
+            return drafts, dists, scores
         previous, following = states[None], tokens[1:][None]  # slot i: h^{k-1}_i and token i + k
         for index in range(min(k, self.depth)):
             out = self.modules.forward_layer(index, previous, positions + index, None, input_ids=following)
@@ -295,7 +333,7 @@ class RecomputeSession(Drafting):
             out = self.modules.forward_layer(self.depth - 1, previous, positions + self.depth - 1, None,
                                              input_ids=following)
             take(self.modules._project_to_logits(out[:, -1]).float()[0])
-        return drafts, dists
+        return drafts, dists, scores
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass

@@ -25,6 +25,7 @@ class DrafterEntry:
     zoo_variant: str | None = None  # self-drafting: the zoo target's variant trained to draft for itself
     chains: bool = True             # drafts chains of k (else its own static tree)
     trees: bool = False             # builds dynamic trees (TreeConfig)
+    p_min: bool = False             # takes --draft-p-min (drafts one token at a time, each from its own softmax)
     build: Callable = None          # (folder or None, options namespace) -> Drafter
 
 
@@ -87,13 +88,14 @@ def _early_exit(folder, options):
 
 def _mtp(folder, options):
     from specdec.drafters.mtp import MTP
-    return MTP(getattr(options, "mtp_depth", None), modules=folder)  # folder: modules trained on a frozen target
+    return MTP(getattr(options, "mtp_depth", None), modules=folder,  # folder: modules trained on a frozen target
+               p_min=getattr(options, "draft_p_min", None))
 
 
 REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("none", "plain decoding, no drafts", ("NONE",), build=_none),
     DrafterEntry("draft-model", "a small causal LM with the target's vocabulary", ("STANDALONE", "draft_model"),
-                 folder=True, zoo="draft", trees=True, build=_draft_model),
+                 folder=True, zoo="draft", trees=True, p_min=True, build=_draft_model),
     DrafterEntry("prompt-lookup", "n-gram matches in the prompt and output", ("NGRAM",), trees=True,
                  build=_prompt_lookup),
     DrafterEntry("lookahead", "lookahead decoding: n-grams from Jacobi iterations run inside the verification "
@@ -103,9 +105,9 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
                  zoo="medusa", chains=False, build=_medusa),
     DrafterEntry("eagle", "EAGLE-1: one layer over the target's last feature", ("EAGLE",), folder=True,
-                 zoo="eagle", trees=True, build=_eagle(1)),
+                 zoo="eagle", trees=True, p_min=True, build=_eagle(1)),
     DrafterEntry("eagle3", "EAGLE-3: one layer over fused low/mid/high target features", ("EAGLE3",), folder=True,
-                 zoo="eagle3", trees=True, build=_eagle(3)),
+                 zoo="eagle3", trees=True, p_min=True, build=_eagle(3)),
     DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
                  folder=True, zoo="dflash", build=_dflash),
     DrafterEntry("dspark", "DSpark: DFlash's block with a Markov head and a confidence head", ("DSPARK",),
@@ -113,7 +115,7 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("early-exit", "LayerSkip: the target's own first layers, final norm and head", ("LAYERSKIP",),
                  zoo_variant="layerskip", build=_early_exit),
     DrafterEntry("mtp", "the target's own multi-token-prediction modules or heads", ("NEXTN", "deepseek_mtp"),
-                 zoo_variant="mtp", build=_mtp),
+                 zoo_variant="mtp", p_min=True, build=_mtp),
 )}
 
 
@@ -140,6 +142,9 @@ def argument_type(value: str) -> str:
 def build(name: str, folder=None, options=None):
     """The drafter ``name`` (an alias is fine), from ``folder`` when it needs one."""
     entry = REGISTRY[resolve(name)]
+    if getattr(options, "draft_p_min", None) is not None and not entry.p_min and entry.name != "none":
+        takers = ", ".join(e.name for e in REGISTRY.values() if e.p_min)
+        raise InvalidArgumentError(f"--draft-p-min cuts the chains of {takers}; {entry.name} takes no cut")
     if entry.folder and folder is None:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR (a {entry.name} folder"
                                    + (f"; the zoo's is specdec.zoo.zoo_path({entry.zoo!r})" if entry.zoo else "") + ")")
