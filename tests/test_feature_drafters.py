@@ -427,3 +427,62 @@ def test_head_readers_draft_from_their_draft_vocabulary_only(drafter_dirs, model
         (damaged / DRAFT_VOCAB_FILE).write_text(text)
         with pytest.raises(DrafterMismatchError, match="draft"):
             Eagle(damaged)
+
+
+def test_steps_that_do_not_draft_defer_the_drafters_run_and_change_no_draft(model_dirs, drafter_dirs, tokenizer,
+                                                                         tmp_path, monkeypatch):
+    """EAGLE's layer and MTP's modules run over the committed tokens only when the next step drafts: a
+    policy that drafts every third step, in a batch of two where rows leave and join (continuous
+    batching), proposes exactly the drafts a session that enters every step's features at once
+    proposes (chains and an EAGLE-2 tree, float32 and bfloat16), and the output stays plain decoding's."""
+    from specdec.commands.tiny import save_tiny_mtp
+    from specdec.drafters import MTP
+    from specdec.drafters import base, mtp as mtp_drafter
+    from specdec.drafters.eagle import EagleSession
+    from specdec.engine import Engine, Request
+    from specdec.schedule import FixedK
+
+    class EveryThird(FixedK):
+        def __init__(self):
+            self.steps = 0
+
+        def draft_tokens(self, engine, group):
+            self.steps += 1
+            return engine.config.num_draft_tokens if self.steps % 3 == 0 else 0
+
+    proposals = []
+    for cls in (EagleSession, mtp_drafter.NativeSequential):
+        original = cls.propose
+
+        def propose(self, seqs, k, original=original):
+            proposal = original(self, seqs, k)
+            proposals.append((proposal.tokens.tolist(), proposal.lengths.tolist(), seqs.lengths.tolist()))
+            return proposal
+        monkeypatch.setattr(cls, "propose", propose)
+    deferred = base.DeferredObserve.observe
+
+    def eager(self, seqs, features):  # every step's features entered at once, as before the deferral
+        deferred(self, seqs, features)
+        self.enter()
+
+    mtp_folder = save_tiny_mtp(tmp_path / "mtp", "llama", "sequential", 2, tokenizer, init_std=0.15)
+    cases = [(model_dirs["llama"], Eagle(drafter_dirs["llama"][name]), tree) for name in ("eagle", "eagle3")
+             for tree in (None, TREE)] + [(mtp_folder, MTP(), None)]
+    budgets = (20, 9, 14, 5, 17)
+    for folder, drafter, tree in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            target = specdec.load_target(folder, dtype=dtype, backend="native")
+            prompts = target.encode(PROMPTS[:5])
+            reference = [plain(target, [p], n)[0] for p, n in zip(prompts, budgets)]
+            runs = []
+            for mode in ("deferred", "eager"):
+                if mode == "eager":
+                    monkeypatch.setattr(base.DeferredObserve, "observe", eager)
+                proposals.clear()
+                engine = Engine(target, drafter, num_draft_tokens=3, tree=tree, max_batch_size=2, policy=EveryThird(),
+                                stream=False)
+                states = engine.run([Request(p, n) for p, n in zip(prompts, budgets)])
+                assert [s.tokens for s in states] == reference, (mode, drafter.name, tree, dtype)
+                runs.append(list(proposals))
+                monkeypatch.setattr(base.DeferredObserve, "observe", deferred)
+            assert runs[0] and runs[0] == runs[1], (drafter.name, tree, dtype)

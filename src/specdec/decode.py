@@ -112,6 +112,8 @@ def committed_features(hidden: torch.Tensor, keep: torch.Tensor | None, counts: 
     pending token and the first counts - 1 accepted drafts have their features handed on.
     """
     batch, width = hidden.shape[:2]
+    if width == 1:  # a plain step: one token per row, its own column
+        return TargetFeatures(hidden, torch.ones(batch, 1, dtype=torch.bool, device=hidden.device))
     if keep is None:
         columns = torch.arange(width, device=hidden.device).expand(batch, width)
     else:  # the path's columns in order: kept columns sorted by index (a path's depths increase with column)

@@ -419,9 +419,9 @@ class Group:
             self.prompt_lengths, self.budget, self.remaining = prompt_lengths, budget, budget - 1
             self.verify_forward = getattr(session, "verify_forward", None) or target.forward
         else:
+            self.session.extend(session)  # first: a session may still read each side's own Sequences
             self.seqs.extend(seqs)
             self.cache.extend(cache)
-            self.session.extend(session)
             self.processors = GenerationProcessors.merged(self.processors, processors)
             self.prompt_lengths = torch.cat([self.prompt_lengths, prompt_lengths])
             self.budget = torch.cat([self.budget, budget])

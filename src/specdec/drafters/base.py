@@ -285,3 +285,58 @@ def draft_from(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int, sampl
         return (slot if ids is None else ids[slot]), None
     probs = probabilities(over_vocabulary(logits, ids, vocab), sampling)
     return sample(probs, generator), probs
+
+
+class DeferredObserve:
+    """A drafting session whose ``observe`` (a drafter network run over the committed tokens' features:
+    EAGLE's layer, MTP's modules) waits until the next ``propose``: a step that does not draft (a policy's
+    plain step, under load or between probes) then costs the drafter nothing, and the steps that waited
+    enter the drafter together, in one run over all their columns. The native kernels give a row the same
+    bits whatever the block, so the drafts are the ones the session would make observing step by step.
+
+    The waiting columns are kept as they come (``batch.Backlog``, moved with the rows that leave) and
+    handed on with the batch's ``Sequences`` (whose last columns are the tokens that went with them). They
+    stay right-aligned (TargetFeatures' layout): only the first step that waits can commit different
+    counts per row (the prompt, or a step that drafted: a drafting step enters what waited before it), and
+    every step after it commits one token per row. Rows that join enter what waits on both sides first
+    (the engine extends the session before the batch's Sequences). Anything else is the wrapped
+    session's."""
+
+    def __init__(self, session, batch_size: int):
+        from specdec.batch import Backlog
+
+        self.session = session
+        self.backlog = Backlog(batch_size)
+        self.seqs: Sequences | None = None  # the batch's, as the engine grows it
+        self.shape: tuple[int, int] | None = None  # (layers, hidden) of the features
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def observe(self, seqs: Sequences, features: TargetFeatures) -> None:
+        self.seqs, self.shape = seqs, tuple(features.states.shape[2:])
+        self.backlog.append(features.states.flatten(2), features.valid)
+
+    def enter(self) -> None:
+        """Hand the waiting columns to the session."""
+        states, valid = self.backlog.waiting()
+        if states is not None:
+            self.session.observe(self.seqs, TargetFeatures(states.unflatten(2, self.shape), valid))
+            self.backlog.clear()
+
+    def propose(self, seqs: Sequences, k: int):
+        self.enter()
+        return self.session.propose(seqs, k)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        self.session.accepted(seqs, num_accepted)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.session.select_rows(index)
+        self.backlog.select_rows(index)
+
+    def extend(self, other: "DeferredObserve") -> None:
+        self.enter()
+        other.enter()
+        self.session.extend(other.session)
+        self.backlog.extend(other.backlog)  # both empty: the rows only

@@ -18,8 +18,8 @@ import torch
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
-from specdec.drafters.base import (ConfidenceStop, DecodeContext, FeatureSpec, Proposal, TargetFeatures, check_p_min,
-                                   draft_from, read_draft_vocabulary, recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal,
+                                   TargetFeatures, check_p_min, draft_from, read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.tree import dynamic_tree, tree_scores
 
 
@@ -71,9 +71,10 @@ class Eagle:
                                                       llama.drafter_qtype(target), self.vocabulary)}
         return self._runtimes[key]
 
-    def start(self, context: DecodeContext, seqs: Sequences) -> "EagleSession":
+    def start(self, context: DecodeContext, seqs: Sequences) -> DeferredObserve:
         self.check_target(context.target)
-        return EagleSession(self.runtime(context.target), context, seqs.batch_size, self.p_min)
+        session = EagleSession(self.runtime(context.target), context, seqs.batch_size, self.p_min)
+        return DeferredObserve(session, seqs.batch_size)  # steps that do not draft run no drafter layer
 
 
 def require_kernels(target, what: str) -> None:

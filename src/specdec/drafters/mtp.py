@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import (ConfidenceStop, DecodeContext, FeatureSpec, Proposal, TargetFeatures, check_p_min,
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal, TargetFeatures, check_p_min,
                                    draft_from, read_draft_vocabulary, recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 
@@ -128,7 +128,8 @@ class MTP:
         self.features = FeatureSpec(hidden_layers=(layers,) if design == "sequential" else (layers - 1,))
         if getattr(target.backend, "name", "") == "native":
             kind = NativeSequential if design == "sequential" else NativeParallel
-            return kind(modules, context, seqs.batch_size, self.p_min)
+            # steps that do not draft run no module
+            return DeferredObserve(kind(modules, context, seqs.batch_size, self.p_min), seqs.batch_size)
         return RecomputeSession(design, depth, modules, target, context, seqs.batch_size, self.p_min)
 
 
