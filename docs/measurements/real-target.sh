@@ -504,3 +504,25 @@ for run in 1 2; do   # under load; the first run with the fixed policy too
     $([ $run = 1 ] && echo fixed) load-aware --concurrency 16 64 --requests-per-client 1 --max-tokens 64 \
     --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/eagle3-serve-load-zen3-s24-$run.json
 done
+
+# ---- twenty-fifth session: the same Zen 3 model (AMD EPYC family 25 model 1) ----
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --drafters mtp --draft-p-min 0 0.2 0.3 0.5 --no-transformers --threads 2 --record \
+  --output $OUT/mtp-pmin-zen3-s25.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 4 --drafters eagle eagle3 --draft-p-min 0 0.2 0.3 --no-transformers --threads 2 --record \
+  --output $OUT/eagle-pmin-zen3-s25.json
+git worktree add /tmp/old 85aef5e   # before DeferredObserve
+for r in 1 2; do for v in old new; do
+  if [ $v = old ]; then export PYTHONPATH=/tmp/old/src; else unset PYTHONPATH; fi
+  for b in 1 16; do echo "== $v batch $b round $r"; python docs/measurements/plain_steps.py none,eagle,eagle3,mtp,dspark $b 4; done
+done; done > $OUT/plain-steps-ab-zen3-s25.txt 2>&1
+unset PYTHONPATH
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter eagle3 --draft $D/eagle3 --modes plain fixed \
+  load-aware --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/eagle3-serve-zen3-s25.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 \
+  --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-3req-zen3-s25.json
+python docs/measurements/dspark_serve_trace.py 4 > $OUT/dspark-serve-trace-4-zen3-s25.txt 2>&1
+specdec demo > $OUT/demo-zen3-s25.txt 2>&1
