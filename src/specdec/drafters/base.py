@@ -252,29 +252,35 @@ class ConfidenceStop:
     drafting stops once every row has stopped, so k becomes a ceiling. The decision on draft j reads the
     drafter's distribution of draft j, which depends on the drafts before it only, never on draft j (a
     sampled draft's own probability is not read) or on the target: speculative sampling stays exact,
-    greedy output unchanged. ``p_min`` None: every row keeps all k drafts."""
+    greedy output unchanged. ``p_min`` None: every row keeps all k drafts. It keeps the drafts it admits."""
 
     def __init__(self, p_min: float | None, batch: int, device):
         self.p_min = p_min
         self.going = torch.ones(batch, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.drafts: list[torch.Tensor] = []  # each [B]
+        self.dists: list[torch.Tensor] = []   # each [B, V] when sampling
 
-    def admit(self, logits: torch.Tensor, probs: torch.Tensor | None) -> bool:
-        """Count this draft for the rows still drafting (logits [B, V] of the drafter, or when sampling the
-        distribution it sampled from, probs [B, V]); whether any row goes on."""
-        if self.p_min is None:
-            self.lengths += 1
-            return True
-        top = probs.amax(-1) if probs is not None else torch.softmax(logits.float(), -1).amax(-1)
-        self.going &= top >= self.p_min
+    def take(self, token: torch.Tensor, probs: torch.Tensor | None, logits: torch.Tensor) -> bool:
+        """Count a draft (token [B]; when sampling, probs [B, V], the distribution it was sampled from;
+        else logits [B, V] of the drafter) for the rows still drafting and keep it; False, keeping nothing,
+        when no row is sure enough of it."""
+        if self.p_min is not None:
+            top = probs.amax(-1) if probs is not None else torch.softmax(logits.float(), -1).amax(-1)
+            self.going &= top >= self.p_min
+            if not bool(self.going.any()):
+                return False
         self.lengths += self.going
-        return bool(self.going.any())
+        self.drafts.append(token)
+        self.dists.append(probs)
+        return True
 
-    def proposal(self, drafts: list[torch.Tensor], dists: list[torch.Tensor] | None) -> Proposal:
-        """The Proposal of the drafts admitted (each [B]; dists [B, V] each when sampling)."""
-        if not drafts:  # no row was sure enough of its first draft: a plain step
+    def proposal(self) -> Proposal:
+        """The Proposal of the drafts kept."""
+        if not self.drafts:  # no row was sure enough of its first draft: a plain step
             return Proposal(self.lengths.new_zeros(self.lengths.shape[0], 0), self.lengths)
-        return Proposal(torch.stack(drafts, 1), self.lengths, torch.stack(dists, 1) if dists else None)
+        sampled = self.dists[0] is not None
+        return Proposal(torch.stack(self.drafts, 1), self.lengths, torch.stack(self.dists, 1) if sampled else None)
 
 
 def draft_from(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int, sampling: SamplingConfig, generator):

@@ -198,17 +198,14 @@ class DraftModelSession:
         logits, _ = self.cache.forward(tokens, valid, logits_to_keep=1)
         if self.tree is not None:
             return self._propose_tree(logits[:, -1])
-        drafts, dists = [], []
         stop = ConfidenceStop(self.p_min, seqs.batch_size, tokens.device)
         for step in range(k):
-            if step:
-                logits, _ = self.cache.forward(drafts[-1][:, None], None, logits_to_keep=1)  # None: every row live
+            if step:  # None: every row live
+                logits, _ = self.cache.forward(stop.drafts[-1][:, None], None, logits_to_keep=1)
             token, probs = self._next(logits[:, -1])
-            if not stop.admit(logits[:, -1], probs):
+            if not stop.take(token, probs, logits[:, -1]):
                 break
-            drafts.append(token)
-            dists.append(probs)
-        return stop.proposal(drafts, None if self.sampling.greedy else dists)
+        return stop.proposal()
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [..., V] that rank tree candidates (warped when sampling)."""

@@ -118,18 +118,15 @@ class EagleSession:
         if self.tree is not None:
             return self._propose_tree()
         out = self.last
-        drafts, dists = [], []
         stop = ConfidenceStop(self.p_min, out.shape[0], out.device)
         for step in range(k):
             logits = self.runtime.logits(out)
             token, probs = draft_from(logits, self.runtime.draft_ids, self.vocab, self.sampling, self.generator)
-            if not stop.admit(logits, probs):
+            if not stop.take(token, probs, logits):
                 break
-            drafts.append(token)
-            dists.append(probs)
             if step + 1 < k:
                 out = self.cache.step(token, out)
-        return stop.proposal(drafts, None if self.sampling.greedy else dists)
+        return stop.proposal()
 
     def _scores(self, out: torch.Tensor) -> torch.Tensor:
         """Log-scores over the draft vocabulary slots (warped when sampling)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from specdec.batch import Sequences
-from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal, TargetFeatures, check_p_min,
-                                   draft_from, read_draft_vocabulary, recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal,
+                                   TargetFeatures, check_p_min, draft_from, read_draft_vocabulary, recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 
 
@@ -142,34 +142,11 @@ class Drafting:
         self.pad, self.vocab = context.target.pad_token_id, context.target.vocab_size
         self.p_min = p_min
 
-    def chain(self, batch_size: int, device) -> "Chain":
-        return Chain(self, ConfidenceStop(self.p_min, batch_size, device))
-
-
-class Chain:
-    """One step's drafts: ``take`` drafts from logits and says whether any row goes on."""
-
-    def __init__(self, drafting: Drafting, stop: ConfidenceStop):
-        self.drafting, self.stop = drafting, stop
-        self.drafts: list[torch.Tensor] = []
-        self.dists: list[torch.Tensor] = []
-
-    def take(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> bool:
+    def take(self, chain: ConfidenceStop, logits: torch.Tensor, ids: torch.Tensor | None) -> bool:
         """Draft from ``logits`` [B, V] (``ids``: the target id of each logit's slot, a draft vocabulary;
-        None: the whole vocabulary); False when no row is sure enough of it (it is then not proposed)."""
-        d = self.drafting
-        token, probs = draft_from(logits, ids, d.vocab, d.sampling, d.generator)
-        if not self.stop.admit(logits, probs):
-            return False
-        self.drafts.append(token)
-        self.dists.append(probs)
-        return True
-
-    def __len__(self) -> int:
-        return len(self.drafts)
-
-    def proposal(self) -> Proposal:
-        return self.stop.proposal(self.drafts, None if self.drafting.sampling.greedy else self.dists)
+        None: the whole vocabulary) into ``chain``; False when no row is sure enough of it."""
+        token, probs = draft_from(logits, ids, self.vocab, self.sampling, self.generator)
+        return chain.take(token, probs, logits)
 
 
 def shift_in(last: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -226,8 +203,8 @@ class NativeSequential(NativeModules):
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         runtime = self.runtime
         self.base = [cache.lengths.clone() for cache in self.caches]
-        chain = self.chain(self.last[0].shape[0], self.last[0].device)
-        if not chain.take(runtime.logits(0, self.last[0]), runtime.draft_ids):
+        chain = ConfidenceStop(self.p_min, self.last[0].shape[0], self.last[0].device)
+        if not self.take(chain, runtime.logits(0, self.last[0]), runtime.draft_ids):
             return chain.proposal()
         # Module i drafts at slots n + 1 - i .. n (n: the last committed position): their tokens are
         # drafts 1 .. i, their previous states module i - 1's last committed output and drafted outputs.
@@ -235,13 +212,13 @@ class NativeSequential(NativeModules):
         for index in range(1, min(k, runtime.depth)):
             previous = torch.cat([self.last[index - 1][:, None], outputs], dim=1)  # [B, index, H]
             outputs = self.caches[index].run(torch.stack(chain.drafts, dim=1), previous)
-            if not chain.take(runtime.logits(index, outputs[:, -1]), runtime.draft_ids):
+            if not self.take(chain, runtime.logits(index, outputs[:, -1]), runtime.draft_ids):
                 return chain.proposal()
         final = self.caches[runtime.depth - 1]
         out = outputs[:, -1] if outputs.shape[1] else self.last[runtime.depth - 1]
-        while len(chain) < k:  # past the last module: reuse it, fed its own output
+        while len(chain.drafts) < k:  # past the last module: reuse it, fed its own output
             out = final.run(chain.drafts[-1][:, None], out[:, None])[:, -1]
-            if not chain.take(runtime.logits(runtime.depth - 1, out), runtime.draft_ids):
+            if not self.take(chain, runtime.logits(runtime.depth - 1, out), runtime.draft_ids):
                 break
         return chain.proposal()
 
@@ -260,9 +237,9 @@ class NativeParallel(NativeModules):
         self.last = [cache.run(dummy, trunk, features.valid)[:, -1] for cache in self.caches]
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
-        chain = self.chain(self.last[0].shape[0], self.last[0].device)
+        chain = ConfidenceStop(self.p_min, self.last[0].shape[0], self.last[0].device)
         for index in range(min(k, self.runtime.depth)):
-            if not chain.take(self.runtime.logits(index, self.last[index]), self.runtime.draft_ids):
+            if not self.take(chain, self.runtime.logits(index, self.last[index]), self.runtime.draft_ids):
                 break
         return chain.proposal()
 
@@ -294,15 +271,11 @@ class RecomputeSession(Drafting):
             rows.append(self._row(states, tokens, k))
         # every row drafted to k; the cut then reads each draft's distribution, position by position
         stop = ConfidenceStop(self.p_min, len(rows), seqs.tokens.device)
-        drafts, dists = [], []
         for j in range(len(rows[0][0])):
-            logits = torch.stack([r[2][j] for r in rows])
             probs = None if self.sampling.greedy else torch.stack([r[1][j] for r in rows])
-            if not stop.admit(logits, probs):
+            if not stop.take(torch.stack([r[0][j] for r in rows]), probs, torch.stack([r[2][j] for r in rows])):
                 break
-            drafts.append(torch.stack([r[0][j] for r in rows]))
-            dists.append(probs)
-        return stop.proposal(drafts, None if self.sampling.greedy else dists)
+        return stop.proposal()
 
     def _row(self, states: torch.Tensor, tokens: torch.Tensor, k: int):
         """(drafts, their distributions when sampling, their logits) of one row: states [n, H] of tokens
