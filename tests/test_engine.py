@@ -456,6 +456,13 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     # Seen often enough, the same loss is clear: no probe.
     policy.draft_cost, policy.undrafted = {1: {4: [0.2, policy.evidence]}}, 0
     assert not any(policy.draft_tokens(None, Rows(1)) for _ in range(policy.explore + 2))
+    # A step whose drafter cut every draft (--draft-p-min) asked for 2: a rejection at the first position, and
+    # its drafting cost charged to the 2 drafts asked for (it gained nothing for it).
+    policy = synthetic(lambda b, n: 1e-3, 0.98)
+    policy.evaluated, policy.accepted, policy.last_choice = [0.0] * 4, [0.0] * 4, 2
+    policy.observe(None, Rows(1), 0, [0], [0], {"draft": 3e-3, "step": 5e-3})
+    assert policy.evaluated[:2] == [1.0, 0.0] and policy.accepted[:2] == [0.0, 0.0]
+    assert policy.draft_cost == {1: {2: [3e-3, 1]}}
 
 
 def test_load_aware_profiles_and_stays_exact(zoo_target, zoo_prompts, zoo_reference):

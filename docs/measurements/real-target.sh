@@ -526,3 +526,9 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-3req-zen3-s25.json
 python docs/measurements/dspark_serve_trace.py 4 > $OUT/dspark-serve-trace-4-zen3-s25.txt 2>&1
 specdec demo > $OUT/demo-zen3-s25.txt 2>&1
+python docs/measurements/serve_policy_trace.py plain,load-aware 4 --drafter eagle3 --draft $D/eagle3 \
+  > $OUT/eagle3-serve-trace-4-before-zen3-s25.txt 2>&1   # before LoadAware counted a drafter's own cut
+python docs/measurements/serve_policy_trace.py plain,fixed,load-aware 4 --drafter eagle3 --draft $D/eagle3 \
+  > $OUT/eagle3-serve-trace-4-zen3-s25.txt 2>&1
+python docs/measurements/serve_policy_trace.py plain,fixed,load-aware 1 --drafter eagle3 --draft $D/eagle3 \
+  > $OUT/eagle3-serve-trace-1-zen3-s25.txt 2>&1

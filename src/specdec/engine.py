@@ -505,7 +505,7 @@ class Group:
             full = bool((num_accepted == proposal.lengths).all())
             self.k = min(self.k + 2, engine.config.k_limit) if full else max(1, self.k - 1)
         proposed = accepted = None
-        if engine.stream or (engine.policy.wants_counts and proposal.k):
+        if engine.stream or (engine.policy.wants_counts and drafting):  # a step cut to no drafts counts too
             proposed = (proposal.depths().max(1).values if proposal.is_tree and proposal.k
                         else proposal.lengths).tolist()
             accepted = num_accepted.tolist()

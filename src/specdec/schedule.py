@@ -240,9 +240,12 @@ class LoadAware(FixedK):
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         if not self.enabled:
             return
-        if width:
-            self.count_acceptance(width, accepted, proposed, timing.get("budget_cut"))
-        self.observe_costs(group.size, width, width, timing)
+        # Counted against the drafts asked for: a drafter's own cut (--draft-p-min; prompt lookup without a
+        # match) leaves fewer, down to none, and what it dropped gained nothing, at a drafting step's cost.
+        asked = max(width, self.last_choice)
+        if asked and accepted is not None:
+            self.count_acceptance(asked, accepted, proposed, timing.get("budget_cut"))
+        self.observe_costs(group.size, width, asked, timing)
 
     def count_acceptance(self, width: int, accepted: list[int], proposed: list[int] | None = None,
                          budget_cut: list[bool] | None = None) -> None:
