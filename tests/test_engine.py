@@ -463,6 +463,11 @@ def test_load_aware_estimates_a_drafter_right_most_of_the_time():
     policy.observe(None, Rows(1), 0, [0], [0], {"draft": 3e-3, "step": 5e-3})
     assert policy.evaluated[:2] == [1.0, 0.0] and policy.accepted[:2] == [0.0, 0.0]
     assert policy.draft_cost == {1: {2: [3e-3, 1]}}
+    # ... and its verification as wide as its steps verified: none yet, T(1); 1.5 drafts on average: halfway.
+    policy.table = {(b, n): 1e-3 * n for b in policy.sizes for n in range(1, 6)}
+    assert policy.verified_seconds(1, 2) == pytest.approx(1e-3) and policy.verified_seconds(1, 3) == pytest.approx(4e-3)
+    policy.widths = {2: [1.5, 4]}
+    assert policy.verified_seconds(1, 2) == pytest.approx(2.5e-3)
 
 
 def test_load_aware_profiles_and_stays_exact(zoo_target, zoo_prompts, zoo_reference):

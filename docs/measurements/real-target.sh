@@ -532,3 +532,6 @@ python docs/measurements/serve_policy_trace.py plain,fixed,load-aware 4 --drafte
   > $OUT/eagle3-serve-trace-4-zen3-s25.txt 2>&1
 python docs/measurements/serve_policy_trace.py plain,fixed,load-aware 1 --drafter eagle3 --draft $D/eagle3 \
   > $OUT/eagle3-serve-trace-1-zen3-s25.txt 2>&1
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 --drafters eagle3 --draft-p-min 0.2 --policies load-aware --no-transformers --threads 2 \
+  --output $OUT/eagle3-loadaware-bench-zen3-s25.json   # after LoadAware.verified_seconds

@@ -119,6 +119,7 @@ class LoadAware(FixedK):
         # batch-size pool -> {drafts per row: [seconds of the step's drafting, observations]}
         self.draft_cost: dict[int, dict[int, list]] = {}
         self.overhead = {False: {}, True: {}}  # plain / speculative step: batch size -> [seconds beyond the passes, n]
+        self.widths: dict[int, list] = {}  # drafts asked for -> [drafts verified (a drafter's own cut: fewer), n]
         self.enabled = True
         self.last_choice = 0
 
@@ -208,9 +209,18 @@ class LoadAware(FixedK):
         for position in range(k):
             survival *= self.acceptance(position)
             tokens += survival
-        cost = (self.verify_seconds(rows, k + 1) + self.drafting_seconds(rows, k)
+        cost = (self.verified_seconds(rows, k) + self.drafting_seconds(rows, k)
                 + self.nearest(self.overhead[k > 0], rows))
         return rows * tokens / cost
+
+    def verified_seconds(self, rows: int, k: int) -> float:
+        """The verification a step that asks for k drafts pays: T(rows, 1 + the drafts its steps verified on
+        average, interpolated between widths; k before any was seen)."""
+        width = min(float(k), self.widths[k][0]) if k in self.widths else float(k)
+        low = int(width)
+        share = width - low
+        cost = self.verify_seconds(rows, low + 1)
+        return cost if not share else (1 - share) * cost + share * self.verify_seconds(rows, low + 2)
 
     def draft_tokens(self, engine, group) -> int:
         if not self.enabled:
@@ -245,6 +255,7 @@ class LoadAware(FixedK):
         asked = max(width, self.last_choice)
         if asked and accepted is not None:
             self.count_acceptance(asked, accepted, proposed, timing.get("budget_cut"))
+            blend(self.widths, asked, width, self.decay)
         self.observe_costs(group.size, width, asked, timing)
 
     def count_acceptance(self, width: int, accepted: list[int], proposed: list[int] | None = None,
