@@ -849,13 +849,12 @@ def run_bench_command(args) -> int:
 def p_min_values(given: list[float] | None, names: list[str]) -> list[float | None]:
     """The cuts bench measures (--draft-p-min's values; none given: each folder's own, [None]); one line when
     none of the drafters measured takes a cut."""
-    from specdec.drafters.registry import REGISTRY
+    from specdec.drafters.registry import REGISTRY, p_min_takers
 
     if not given:
         return [None]
     if not any(REGISTRY[name].p_min for name in names):
-        takers = ", ".join(e.name for e in REGISTRY.values() if e.p_min)
-        raise InvalidArgumentError(f"--draft-p-min cuts the chains of {takers}; none of the drafters measured takes it")
+        raise InvalidArgumentError(f"{p_min_takers()}; none of the drafters measured takes it")
     return list(dict.fromkeys(given))
 
 

@@ -235,6 +235,11 @@ def over_vocabulary(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) 
     return full
 
 
+def cut_label(p_min: float | None) -> str:
+    """What bench labels show of a drafter's cut ("p>=0.3"; none: "")."""
+    return "" if p_min is None else f"p>={p_min:g}"
+
+
 def check_p_min(p_min: float | None, folder: str | None = None) -> float | None:
     """The cut a drafter applies (None: none) from its ``p_min`` argument: a probability in (0, 1); 0: no cut;
     None: the one ``folder`` records beside its fastest setting (``recorded_p_min``), if any. Anything else is

@@ -17,8 +17,8 @@ from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyM
 from specdec.backends.native import NativeBackend
 from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
-from specdec.drafters.base import (ConfidenceStop, DecodeContext, Proposal, check_p_min, draft_from, over_vocabulary,
-                                   read_draft_vocabulary, recorded_defaults)
+from specdec.drafters.base import (ConfidenceStop, DecodeContext, Proposal, check_p_min, cut_label, draft_from,
+                                   over_vocabulary, read_draft_vocabulary, recorded_defaults)
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend, resolve_model
 
@@ -81,7 +81,7 @@ class DraftModel:
     @property
     def setting(self) -> str:
         """What bench's labels show of this drafter's own settings."""
-        return "" if self.p_min is None else f"p>={self.p_min:g}"
+        return cut_label(self.p_min)
 
     def check_compatible(self, target) -> None:
         """Same token ids must mean the same strings, or drafts are meaningless to the target."""

@@ -19,7 +19,8 @@ from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
 from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal,
-                                   TargetFeatures, check_p_min, draft_from, read_draft_vocabulary, recorded_defaults)
+                                   TargetFeatures, check_p_min, cut_label, draft_from, read_draft_vocabulary,
+                                   recorded_defaults)
 from specdec.drafters.tree import dynamic_tree, tree_scores
 
 
@@ -56,7 +57,7 @@ class Eagle:
     @property
     def setting(self) -> str:
         """What bench's labels show of this drafter's own settings."""
-        return "" if self.p_min is None else f"p>={self.p_min:g}"
+        return cut_label(self.p_min)
 
     def check_target(self, target) -> None:
         check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,

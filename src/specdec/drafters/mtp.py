@@ -26,7 +26,8 @@ import torch
 
 from specdec.batch import Sequences
 from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal,
-                                   TargetFeatures, check_p_min, draft_from, read_draft_vocabulary, recorded_defaults)
+                                   TargetFeatures, check_p_min, cut_label, draft_from, read_draft_vocabulary,
+                                   recorded_defaults)
 from specdec.errors import DrafterMismatchError, UnsupportedModelError
 
 
@@ -55,7 +56,7 @@ class MTP:
     @property
     def setting(self) -> str:
         """What bench labels tell apart: the cut."""
-        return "" if self.p_min is None else f"p>={self.p_min:g}"
+        return cut_label(self.p_min)
 
     def modules_for(self, target):
         """(MtpConfig or None for transformers' modules, the modules in the form the backend runs)."""

@@ -119,6 +119,11 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
 )}
 
 
+def p_min_takers() -> str:
+    """The start of the one-line error for --draft-p-min where no drafter takes it: which do."""
+    return "--draft-p-min cuts the chains of " + ", ".join(e.name for e in REGISTRY.values() if e.p_min)
+
+
 def resolve(value: str) -> str:
     """A drafter's name from its own name or an engine's alias (any case)."""
     if value in REGISTRY:
@@ -143,8 +148,7 @@ def build(name: str, folder=None, options=None):
     """The drafter ``name`` (an alias is fine), from ``folder`` when it needs one."""
     entry = REGISTRY[resolve(name)]
     if getattr(options, "draft_p_min", None) is not None and not entry.p_min and entry.name != "none":
-        takers = ", ".join(e.name for e in REGISTRY.values() if e.p_min)
-        raise InvalidArgumentError(f"--draft-p-min cuts the chains of {takers}; {entry.name} takes no cut")
+        raise InvalidArgumentError(f"{p_min_takers()}; {entry.name} takes no cut")
     if entry.folder and folder is None:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR (a {entry.name} folder"
                                    + (f"; the zoo's is specdec.zoo.zoo_path({entry.zoo!r})" if entry.zoo else "") + ")")
