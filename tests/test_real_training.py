@@ -704,3 +704,97 @@ def test_the_answers_source_is_the_targets_greedy_answers(chat_dir, sharegpt, tm
     err = capsys.readouterr().err.strip()
     assert "needs a target with a chat template" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "none").exists()
+
+
+LIBRARY = {
+    "alpha.py": '''
+def kept_one(a, b):
+    """Add two numbers together and return the sum of both of them, which is what this does."""
+    total = a + b
+    total = total * 1
+    return total
+
+
+def short_doc(a):
+    """Too short."""
+    x = a
+    y = x
+    return y
+
+
+class Holder:
+    """A class whose docstring is long enough to count, but classes are not requests to complete a function."""
+    def __init__(self):
+        self.a = 1
+        self.b = 2
+        self.c = 3
+''',
+    "beta.py": '''
+def body_too_short(a):
+    """This docstring has more than twelve words in it, so only its short body drops it."""
+    return a
+
+
+def kept_two(items):
+    """Return the items sorted, with every duplicate removed, as a list in increasing order here."""
+    seen = set(items)
+    ordered = sorted(seen)
+    return list(ordered)
+''',
+}
+
+
+def test_function_requests_show_a_documented_function_up_to_its_docstring(tmp_path):
+    from specdec.zoo.tasks import HUMANEVAL_REQUEST, function_requests
+
+    requests = function_requests(sorted(LIBRARY.items()))
+    assert sorted(r["id"] for r in requests) == ["alpha.py:kept_one", "beta.py:kept_two"]
+    assert function_requests(sorted(LIBRARY.items())) == requests  # a stable order
+    one = next(r for r in requests if r["id"] == "alpha.py:kept_one")["messages"]
+    code = 'def kept_one(a, b):\n    """Add two numbers together and return the sum of both of them, which is what this does."""'
+    assert one == [{"role": "user", "content": HUMANEVAL_REQUEST.format(code=code)}]
+
+
+def test_sharegpt_answers_reuse_the_datastores_answers_and_code_requests_join_them(chat_dir, sharegpt, tmp_path,
+                                                                                  monkeypatch):
+    from specdec.zoo import corpus, datastores
+    from specdec.zoo.tasks import function_requests
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name, text in LIBRARY.items():
+        (lib / name).write_text(text)
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: lib)
+    monkeypatch.setattr(corpus, "list_split", lambda split, root=None: sorted(lib.glob("*.py")))
+    for key, value in dict(count=4, prompt_len=256, new_tokens=8, batch=2).items():
+        monkeypatch.setitem(datastores.ANSWERS, key, value)
+    stored = datastores.target_answers(chat_dir, progress=False)  # the retrieval datastore's answers, made first
+    generated = []
+    real_chunk = features.generate_chunk
+
+    def recorded(target, prompts, *args):
+        generated.extend(prompts)
+        return real_chunk(target, prompts, *args)
+
+    monkeypatch.setattr(features, "generate_chunk", recorded)
+    config = replace(te.PRESETS["tiny"], source="sharegpt-answers", train_sequences=4, code_requests=2,
+                     prefix_len=256, generated_len=8, generation_batch=2)
+    run = features.prepare_run("eagle", config, chat_dir, tmp_path / "out", None, False, te.config_from_dict,
+                               lambda m: None)
+    assert run.data_name == "sharegpt-answers+code2" and run.data_fields()["data_source"] == run.data_name
+    rows = rows_of(run.train)
+    assert rows[:4] == stored  # reused as they are
+    tokenizer = load_tokenizer(chat_dir)
+    requests = [rendered(tokenizer, r["messages"], True) for r in function_requests(sorted(LIBRARY.items()))]
+    prompts = [row[: int(run.train.prompt_len[i])] for i, row in enumerate(rows)]
+    assert sorted(prompts[4:]) == sorted(requests)
+    assert not any(p in generated for p in prompts[:4]) and all(p in generated for p in requests)  # not made again
+    greedy = specdec.generate(load_target(chat_dir, dtype=torch.bfloat16), prompts[4:], max_new_tokens=8).token_ids
+    assert [row[len(p):] for row, p in zip(rows[4:], prompts[4:])] == greedy  # greedy, as the source's answers
+
+    with pytest.raises(DataError, match="holds 2 requests .* fewer than the 3"):
+        features.prepare_run("eagle", replace(config, code_requests=3), chat_dir, tmp_path / "more", None, False,
+                             te.config_from_dict, lambda m: None)
+    with pytest.raises(DataError, match="the zoo's corpus source takes none"):
+        features.prepare_run("eagle", replace(te.PRESETS["tiny"], code_requests=1), zoo_path("target"),
+                             tmp_path / "zoo", None, False, te.config_from_dict, lambda m: None)

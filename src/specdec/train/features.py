@@ -51,7 +51,10 @@ class DataRecipe:
     generated_len: int = 192
     generation_batch: int = 64
     seed: int = 0
-    source: str = "auto"    # auto (the zoo's corpus for zoo targets, else sharegpt), corpus, sharegpt, sharegpt-self
+    source: str = "auto"    # auto (the zoo's corpus for zoo targets, else sharegpt), corpus, sharegpt, sharegpt-self,
+    #                         sharegpt-answers
+    code_requests: int = 0  # chat targets: the target's answers to this many requests to complete a function
+    #                         (HumanEval's form, from the standard library's train split), added to the train set
 
 
 TINY_DATA = dict(batch_size=2, train_sequences=8, heldout_sequences=4, prefix_len=8, generated_len=16,
@@ -191,7 +194,9 @@ def cached_sequences(path: Path, make: Callable[[], Sequences]) -> Sequences:
     return result
 
 
-SOURCES = ("auto", "corpus", "sharegpt", "sharegpt-self")
+SOURCES = ("auto", "corpus", "sharegpt", "sharegpt-self", "sharegpt-answers")
+# The temperatures of a self-generated set's chunks, in turn (chunk c at ``[c % len]``).
+ANSWER_TEMPERATURES = {"sharegpt-self": [0.0, 1.0], "sharegpt-answers": [0.0]}
 
 
 def data_source(source: str, tokenizer) -> str:
@@ -218,16 +223,38 @@ def opening_prompt_ids(tokenizer, split: str, count: int, max_len: int, seed: in
     of them in an order fixed by ``seed``."""
     from specdec.zoo.datasets import opening_prompts, sharegpt_conversations
 
-    prompts = opening_prompts(sharegpt_conversations(split))
-    order = torch.randperm(len(prompts), generator=data.step_generator(seed, 0, salt=13)).tolist()
+    return templated(tokenizer, opening_prompts(sharegpt_conversations(split)), count, max_len, seed, salt=13)
+
+
+def templated(tokenizer, records: list[dict], count: int, max_len: int, seed: int, salt: int) -> list[list[int]]:
+    """Chat-templated ``messages`` of the first ``count`` records of at most ``max_len`` tokens, in an order
+    fixed by ``seed`` and ``salt`` (fewer where fewer fit)."""
+    order = torch.randperm(len(records), generator=data.step_generator(seed, 0, salt=salt)).tolist()
     chosen = []
     for index in order:
-        ids = chat_ids(tokenizer, prompts[index]["messages"], True)
+        ids = chat_ids(tokenizer, records[index]["messages"], True)
         if len(ids) <= max_len:
             chosen.append(ids)
             if len(chosen) == count:
                 break
     return chosen
+
+
+def code_request_ids(tokenizer, count: int, max_len: int, seed: int) -> list[list[int]]:
+    """Chat-templated requests to complete a function of the standard library's train split
+    (``specdec.zoo.tasks.function_requests``) of at most ``max_len`` tokens, ``count`` of them in an order
+    fixed by ``seed``."""
+    from specdec.zoo import corpus
+    from specdec.zoo.tasks import function_requests
+
+    root = corpus.stdlib_root()
+    requests = function_requests([(path.relative_to(root).as_posix(), path.read_text(encoding="utf-8"))
+                                  for path in corpus.list_split("train")])
+    chosen = templated(tokenizer, requests, count, max_len, seed, salt=19)
+    if len(chosen) == count:
+        return chosen
+    raise data.DataError(f"the standard library's train split holds {len(chosen)} requests to complete a function "
+                         f"of at most {max_len} tokens, fewer than the {count} code_requests asked for")
 
 
 def sharegpt_text(tokenizer, count: int, max_len: int, seed: int, pad: int) -> Sequences:
@@ -256,7 +283,8 @@ def sharegpt_text(tokenizer, count: int, max_len: int, seed: int, pad: int) -> S
 
 def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_sequences: int, heldout_sequences: int,
                   prefix_len: int, generated_len: int, generation_batch: int, seed: int,
-                  log: Callable[[str], None], source: str = "auto") -> tuple[Sequences, Sequences]:
+                  log: Callable[[str], None], source: str = "auto",
+                  code_requests: int = 0) -> tuple[Sequences, Sequences]:
     """(train, held-out) sequences of the target, cached in ``cache_dir``."""
     from specdec.backends.hf import load_tokenizer
     from specdec.train.target import corpus_streams
@@ -265,7 +293,10 @@ def training_data(target_dir: Path, fingerprint: str, cache_dir: Path, *, train_
     source = data_source(source, tokenizer)
     if source != "corpus":
         return chat_training_data(target_dir, tokenizer, fingerprint, cache_dir, source, train_sequences,
-                                  heldout_sequences, prefix_len, generated_len, generation_batch, seed, log)
+                                  heldout_sequences, prefix_len, generated_len, generation_batch, seed, log,
+                                  code_requests)
+    if code_requests:
+        raise data.DataError("code_requests are requests to a chat target; the zoo's corpus source takes none")
     train_stream, _ = corpus_streams(target_dir)
     key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
     generator = data.step_generator(seed, 0, salt=11)
@@ -288,8 +319,9 @@ def chat_pad(target_dir: Path, tokenizer) -> int:
 
 def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir: Path, source: str, count: int,
                        heldout: int, prefix_len: int, generated_len: int, generation_batch: int, seed: int,
-                       log: Callable[[str], None]) -> tuple[Sequences, Sequences]:
-    """ShareGPT's train split (``source``: its text, or the target's answers to its first user turns)
+                       log: Callable[[str], None], code_requests: int = 0) -> tuple[Sequences, Sequences]:
+    """ShareGPT's train split (``source``: its text; the target's answers to its first user turns, greedy and
+    sampled or greedy only), then the target's answers to ``code_requests`` requests to complete a function,
     and greedy continuations of held-out first user turns."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise data.DataError(f"training on ShareGPT needs a tokenizer with a chat template; {target_dir} has none")
@@ -297,23 +329,66 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     pad = chat_pad(target_dir, tokenizer)
     key = f"{fingerprint}-{prefix_len}-{generated_len}-{seed}"
     root = Path(cache_dir)
+    temperatures = ANSWER_TEMPERATURES.get(source, ANSWER_TEMPERATURES["sharegpt-self"])
+
+    def answers(name: str, prompts: Callable[[], list[list[int]]], size: int, earlier=None) -> Sequences:
+        path = root / f"train-{name}-{key}-{size}.pt"
+        made = cached_sequences(path, lambda: continuations(
+            target_dir, prompts(), generated_len, temperatures, generation_batch, seed, log, dtype=torch.bfloat16,
+            parts=parts_folder(path),
+            earlier=(earlier() if earlier else None) or largest_earlier(root, f"train-{name}-{key}-", size)))
+        shutil.rmtree(parts_folder(path), ignore_errors=True)
+        return made
+
+    def openings() -> list[list[int]]:
+        return opening_prompt_ids(tokenizer, "train", count, prefix_len, seed)
+
     if source == "sharegpt":
         train = cached_sequences(root / f"train-sharegpt-{key}-{count}.pt", lambda: sharegpt_text(
             tokenizer, count, prefix_len + generated_len, seed, pad))
+    elif source == "sharegpt-answers":
+        train = answers(source, openings, count, lambda: datastore_answers(target_dir, openings(), prefix_len,
+                                                                             generated_len, seed, pad))
     else:
-        path = root / f"train-sharegpt-self-{key}-{count}.pt"
-        train = cached_sequences(path, lambda: continuations(
-            target_dir, opening_prompt_ids(tokenizer, "train", count, prefix_len, seed), generated_len, [0.0, 1.0],
-            generation_batch, seed, log, dtype=torch.bfloat16, parts=parts_folder(path),
-            earlier=largest_earlier(root, f"train-sharegpt-self-{key}-", count)))
-        shutil.rmtree(parts_folder(path), ignore_errors=True)
+        train = answers(source, openings, count)
+    if code_requests:
+        code = answers(f"code-{source}", lambda: code_request_ids(tokenizer, code_requests, prefix_len, seed),
+                       code_requests)
+        train = joined(train, code, pad)
     held = cached_sequences(root / f"heldout-sharegpt-{fingerprint}-{prefix_len}-{heldout}-{HELDOUT_NEW_TOKENS}.pt",
                             lambda: continuations(target_dir, opening_prompt_ids(tokenizer, "heldout", heldout,
                                                                                 prefix_len, seed + 1),
                                                   HELDOUT_NEW_TOKENS, [0.0], generation_batch, seed + 1, log))
-    log(f"[data] {source}: {train.tokens.shape[0]} train sequences ({train.num_tokens:,} tokens), "
-        f"{held.tokens.shape[0]} held-out ({held.num_tokens:,} tokens)")
+    log(f"[data] {source}{f' + {code_requests} code requests' if code_requests else ''}: {train.tokens.shape[0]} "
+        f"train sequences ({train.num_tokens:,} tokens), {held.tokens.shape[0]} held-out ({held.num_tokens:,} tokens)")
     return train, held
+
+
+def datastore_answers(target_dir: Path, prompts: list[list[int]], prefix_len: int, generated_len: int, seed: int,
+                      pad: int) -> Sequences | None:
+    """The retrieval datastore's ``answers`` (the target's greedy answers to ShareGPT's first train turns,
+    committed for smollm2-135m) as a set made before, where they answer these prompts under this recipe (the
+    rows whose prompts differ are generated, ``reusable_rows``); None where no copy exists (nothing generated)."""
+    from specdec.zoo.datastores import ANSWERS, target_answers
+
+    if (prefix_len, generated_len, seed) != (ANSWERS["prompt_len"], ANSWERS["new_tokens"], 0):
+        return None
+    rows = target_answers(target_dir, progress=False, generate=False)
+    if not rows:
+        return None
+    rows = rows[:len(prompts)]
+    return padded(rows, [len(prompt) for prompt in prompts[:len(rows)]], pad)
+
+
+def joined(first: Sequences, second: Sequences, pad: int) -> Sequences:
+    """One set of the rows of both."""
+    width = max(first.tokens.shape[1], second.tokens.shape[1])
+
+    def wide(tokens: torch.Tensor) -> torch.Tensor:
+        return F.pad(tokens, (0, width - tokens.shape[1]), value=pad)
+
+    return Sequences(torch.cat([wide(first.tokens), wide(second.tokens)]), torch.cat([first.lengths, second.lengths]),
+                     torch.cat([first.prompt_len, second.prompt_len]))
 
 
 def draft_vocabulary(sequences: Sequences, size: int, vocab: int) -> tuple[torch.Tensor, float]:
@@ -732,7 +807,7 @@ class DrafterRun:
         cache = None
         if self.source != "corpus":
             config = self.target.config
-            key = f"{self.target.fingerprint()}-{self.source}-{self.train.tokens.shape[0]}x{self.train.tokens.shape[1]}"
+            key = f"{self.target.fingerprint()}-{self.data_name}-{self.train.tokens.shape[0]}x{self.train.tokens.shape[1]}"
             wanted = set(layers) | {self.target.num_layers}
 
             def cache_of(chosen: set[int]) -> FeatureCache:
@@ -754,9 +829,15 @@ class DrafterRun:
             self.feature_seconds = cache.build(self.target_dir, self.log)
         return FrozenTarget(self.target_dir, cache)
 
+    @property
+    def data_name(self) -> str:
+        """The source, and the code requests added to it."""
+        code = getattr(self.config, "code_requests", 0)
+        return f"{self.source}+code{code}" if code else self.source
+
     def data_fields(self) -> dict:
         """What every trainer's summary says of its data."""
-        return {"data_source": self.source, "data_minutes": round(self.data_seconds / 60, 2),
+        return {"data_source": self.data_name, "data_minutes": round(self.data_seconds / 60, 2),
                 "feature_minutes": round(self.feature_seconds / 60, 2), "train_tokens": self.train.num_tokens,
                 "train_sequences": int(self.train.tokens.shape[0]), "heldout_tokens": self.held.num_tokens,
                 "features": ("computed once (bfloat16 forward), cached on disk" if self.source != "corpus"
@@ -813,6 +894,7 @@ def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Pa
     train, held = training_data(Path(target_dir), target.fingerprint(), data_dir,
                                 train_sequences=config.train_sequences, heldout_sequences=config.heldout_sequences,
                                 prefix_len=config.prefix_len, generated_len=config.generated_len,
-                                generation_batch=config.generation_batch, seed=config.seed, log=log, source=source)
+                                generation_batch=config.generation_batch, seed=config.seed, log=log, source=source,
+                                code_requests=config.code_requests)
     return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log, Path(target_dir), source,
                       data_dir)

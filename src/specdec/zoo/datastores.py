@@ -106,12 +106,12 @@ def answers_meta(target_dir: str | Path) -> dict:
             "prompt_len": ANSWERS["prompt_len"], "new_tokens": ANSWERS["new_tokens"]}
 
 
-def target_answers(target_dir: str | Path, progress: bool = True) -> list[list[int]]:
+def target_answers(target_dir: str | Path, progress: bool = True, generate: bool = True) -> list[list[int]] | None:
     """Each prompt of the ``answers`` source followed by the target's greedy answer (``ANSWERS``: at most
     ``new_tokens``): the zoo's copy where it holds this target's answers to this recipe (the real
     target's are committed: ``kept_answers``), else generated once by specdec's batched decoding in
     bfloat16 and cached under the target's fingerprint; chunks are kept as they finish, so a killed
-    build resumes where it stopped."""
+    build resumes where it stopped. ``generate=False``: None where neither copy exists."""
     import shutil
 
     import torch
@@ -125,6 +125,8 @@ def target_answers(target_dir: str | Path, progress: bool = True) -> list[list[i
     if committed is not None:
         return committed
     path = answers_file(meta["target"], count, new_tokens)
+    if not generate and not path.is_file():
+        return None
 
     def make():
         tokenizer = load_tokenizer(target_dir)

@@ -240,6 +240,26 @@ def _distinct(candidates: list[tuple[str, str, dict]]) -> list[tuple[str, str, d
     return kept
 
 
+def function_requests(sources: list[tuple[str, str]]) -> list[dict]:
+    """HumanEval's form from other code: every function of ``sources`` with a docstring of 12 words or more
+    and at least three lines of body after it, shown up to its docstring in a request to complete it (HUMANEVAL_REQUEST),
+    in a stable hashed order. Training prompts for a chat target (``code_requests`` of a data recipe,
+    from the standard library's train split); HumanEval's own problems are never among them."""
+    candidates = []
+    for rel, lines, tree in _parsed(sources):
+        for name, node in _definitions(tree):
+            if isinstance(node, ast.ClassDef) or len((ast.get_docstring(node) or "").split()) < 12:
+                continue
+            segment = _segment(lines, node)
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            cut = _body_offset(node, first)
+            if len(segment) - cut < 3 or cut > 40:
+                continue
+            key = f"{rel}:{name}"
+            candidates.append((key, _chat(key, HUMANEVAL_REQUEST.format(code="".join(segment[:cut]).strip("\n")))))
+    return [record for _, record in sorted(candidates, key=lambda item: _rank(item[0]))]
+
+
 def humaneval_tasks(problems: list[dict]) -> list[dict]:
     """Every problem, in file order, as a request to complete its function."""
     return [_chat(p["task_id"], HUMANEVAL_REQUEST.format(code=p["prompt"].strip("\n"))) for p in problems]
