@@ -2,6 +2,8 @@
 
 import pytest
 
+from specdec.errors import InvalidArgumentError
+
 from specdec.commands.bench import DRAFT_MODEL, Method, format_table, model_time_bound, run_bench
 from specdec.drafters import DraftModel
 
@@ -12,7 +14,7 @@ def test_bench_compares_specdec_and_transformers(targets, model_dirs):
     prompts = target.encode(["x = x + 1\nx = x + 1\n", "def f(a):\n    return a\n"])
     # A second copy of the target as draft: every draft is accepted, so tau tells the k each method used.
     result = run_bench(target, prompts, draft=DraftModel(model_dirs["llama"]), ks=[2, 4],
-                       max_new_tokens=12, batch_sizes=[1, 2], progress=False)
+                       max_new_tokens=12, batch_sizes=[1, 2], progress=False, tasks=["repeat", "code"])
     assert result["outputs_identical"], result["mismatches"]
     labels = [row["method"] for row in result["rows"]]
     for label in ("specdec plain", "specdec draft-model k=4", "specdec prompt-lookup k=2",
@@ -29,6 +31,17 @@ def test_bench_compares_specdec_and_transformers(targets, model_dirs):
         assert rows[f"{impl} draft-model k=2"]["tau"] < rows[f"{impl} draft-model k=4"]["tau"]
         assert rows[f"{impl} draft-model k=4"]["tau"] > 3.5
     assert "all greedy outputs identical" in format_table(result)
+
+    # Per task: the chunks of one task (batch 2 mixes both: none); each task's tau is that of its prompt alone.
+    assert rows["specdec plain"]["by_task"]["code"]["speedup_vs_plain"] == 1.0
+    assert rows["specdec draft-model k=4 batch=2"]["by_task"] == {}
+    alone = {row["method"]: row for row in run_bench(target, prompts[1:], ks=[2], max_new_tokens=12,
+                                                    with_transformers=False, progress=False)["rows"]}
+    assert rows["specdec prompt-lookup k=2"]["by_task"]["code"]["tau"] == alone["specdec prompt-lookup k=2"]["tau"]
+    assert rows["transformers prompt-lookup k=2"]["by_task"]["code"]["tau"] is not None
+    assert "per task, tau / speed over plain decoding on the task's prompts: repeat, code" in format_table(result)
+    with pytest.raises(InvalidArgumentError, match="1 task names for 2 prompts"):
+        run_bench(target, prompts, ks=[2], max_new_tokens=4, progress=False, tasks=["code"])
 
 
 def test_outputs_are_checked_against_plain_decoding_of_their_own_implementation():

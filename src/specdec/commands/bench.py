@@ -80,6 +80,8 @@ class Method:
     proposed_at: list = field(default_factory=list)  # specdec: row-steps proposing >= j+1 drafts
     outputs: list = field(default_factory=list)
     drafter: object = field(default=None, repr=False)  # specdec: what drafts (the efficiency's draft cost)
+    # task -> [new tokens, seconds, tokens committed by verification, row-steps] of the chunks of one task
+    by_task: dict = field(default_factory=dict)  # specdec: what drafts (the efficiency's draft cost)
 
     @property
     def label(self) -> str:
@@ -391,7 +393,7 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
               more_engines: tuple[Engine, ...] = (), transformers_models: tuple | None = None,
               trees: tuple[TreeConfig, ...] = (), drafters: tuple = (), block_sizes: tuple = (),
               policies: tuple = (), sampling: SamplingConfig | None = None, recorded: bool = False,
-              reference_families: tuple = (DRAFT_MODEL, PROMPT_LOOKUP, DFLASH)) -> dict:
+              reference_families: tuple = (DRAFT_MODEL, PROMPT_LOOKUP, DFLASH), tasks: list[str] | None = None) -> dict:
     """Run every method on every prompt, interleaved; return the table as a dict.
 
     ``more_engines`` adds specdec on other backends (e.g. the same model on "hf" beside "native").
@@ -402,7 +404,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     policy (schedule.parse_policy's texts: load-aware, confidence, conf-min:X, ...) that can drive it,
     up to its largest k. ``sampling``: every specdec method samples (the table then reports tau,
     acceptance and speed; the outputs are draws, compared with nothing, and transformers is not run).
-    ``recorded``, ``reference_families``: as build_methods takes them.
+    ``recorded``, ``reference_families``: as build_methods takes them. ``tasks``: the task set of each
+    prompt; with two or more, each row also reports tau and speed per task (``by_task``: chunks of one task).
     """
 
     sampling = sampling or SamplingConfig()
@@ -410,6 +413,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
         with_transformers = False
     if not prompts:
         raise InvalidArgumentError("no prompts to benchmark")
+    if tasks is not None and len(tasks) != len(prompts):
+        raise InvalidArgumentError(f"{len(tasks)} task names for {len(prompts)} prompts")
     if any(k < 1 for k in ks):
         raise InvalidArgumentError("every k must be >= 1")
     if any(b < 1 for b in batch_sizes):
@@ -442,6 +447,13 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
             outputs, info, elapsed = _run_timed(method, chunk)
             method.seconds += elapsed
             method.new_tokens += sum(len(o) for o in outputs)
+            task = set(tasks[start: start + method.batch_size]) if tasks else ()
+            if len(task) == 1:
+                totals = method.by_task.setdefault(task.pop(), [0, 0.0, 0, 0])
+                totals[0] += sum(len(o) for o in outputs)
+                totals[1] += elapsed
+                totals[2:] = ((totals[2] + info.tokens_from_steps, totals[3] + info.verify_steps)
+                              if method.impl == "specdec" else (totals[2] + len(outputs[0]), totals[3] + info))
             if method.impl == "specdec":
                 method.tau_tokens += info.tokens_from_steps
                 method.tau_steps += info.verify_steps
@@ -474,7 +486,8 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
     widest = max((m.k or 1) + getattr(m.drafter, "branch_tokens", 0) for m in methods)
     sizes = sorted({*range(1, widest + 2), *(t.num_nodes + 1 for t in trees)})  # chains and each tree's size
     costs = {id(engine): model_costs(engine, sizes, context) for engine in engines}
-    result = _table(methods, mismatches, len(prompts), max_new_tokens, repeats, costs)
+    result = _table(methods, mismatches, len(prompts), max_new_tokens, repeats, costs,
+                    by_task=tasks is not None and len(set(tasks)) > 1)
     result["feature_costs"] = {name: feature_cost(engines[0].target.backend, drafter.features.hidden_layers,
                                                   max(ks) + 1, context)
                                for name, drafter in engines[0].drafters if getattr(drafter, "features", None)}
@@ -593,7 +606,7 @@ def model_time_bound(method: Method, costs: dict) -> float | None:
 
 
 def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_tokens: int, repeats: int,
-           costs: dict | None = None) -> dict:
+           costs: dict | None = None, by_task: bool = False) -> dict:
     def find(impl, tag, family, k, batch_size, tree=None, note=""):
         for m in methods:
             if (m.impl, m.tag, m.family, m.k, m.batch_size, m.tree, m.note) == (impl, tag, family, k, batch_size,
@@ -629,6 +642,8 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "draft_ms_per_step": 1e3 * m.draft_seconds / m.steps if m.steps and m.draft_seconds else None,
             "acceptance_by_position": [a / p if p else None for a, p in zip(m.accepted_at, m.proposed_at)] or None,
         })
+        if by_task:
+            rows[-1]["by_task"] = task_rows(m, plain)
     forward_costs = None
     if costs:
         forward_costs = {}
@@ -640,6 +655,17 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
     return {"prompts": num_prompts, "max_new_tokens": max_new_tokens, "repeats": repeats,
             "outputs_identical": not mismatches, "mismatches": mismatches, "rows": rows,
             "forward_costs": forward_costs}
+
+
+def task_rows(method: Method, plain: Method | None) -> dict:
+    """{task: tau, tokens/s and speed over plain decoding on that task's prompts}."""
+    out = {}
+    for task, (tokens, seconds, committed, steps) in method.by_task.items():
+        rate = tokens / seconds if seconds else 0.0
+        base = plain.by_task.get(task) if plain else None
+        out[task] = {"tau": committed / steps if steps else None, "tokens_per_second": rate,
+                     "speedup_vs_plain": rate / (base[0] / base[1]) if base and base[1] and base[0] else None}
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -656,6 +682,14 @@ def format_table(result: dict) -> str:
                      f"{row['tokens_per_second']:>8.1f} {cell(row['speedup_vs_plain'], '.2f'):>9} "
                      f"{cell(row['ratio_vs_transformers'], '.2f'):>7} {cell(row['ratio_vs_batch_1'], '.2f'):>7} "
                      f"{cell(row.get('efficiency'), '.2f'):>7}")
+    task_names = list(dict.fromkeys(task for row in result["rows"] for task in row.get("by_task") or {}))
+    if task_names:
+        lines.append("per task, tau / speed over plain decoding on the task's prompts: " + ", ".join(task_names))
+        for row in result["rows"]:
+            cells = [row["by_task"].get(task) for task in task_names]
+            lines.append(f"  {row['method']:<42} " + "  ".join(
+                "-" if c is None else f"{cell(c['tau'], '.2f')} / {cell(c['speedup_vs_plain'], '.2f')}x"
+                for c in cells))
     mismatches, differences = result["mismatches"], result.get("implementation_differences") or []
     sampled = result.get("sampling")
     if sampled:
@@ -762,11 +796,12 @@ def add_bench_command(commands) -> None:
     bench.set_defaults(func=run_bench_command)
 
 
-def load_bench_prompts(args) -> list:
+def load_bench_prompts(args) -> tuple[list, list[str] | None]:
+    """(the prompts, the task set of each: None for a prompts file)."""
     from specdec.prompts import read_prompts
 
     if args.prompts:
-        return read_prompts(args.prompts)
+        return read_prompts(args.prompts), None
     try:
         from specdec.zoo.tasks import load_tasks
     except ImportError:
@@ -774,7 +809,8 @@ def load_bench_prompts(args) -> list:
     from specdec.backends.hf import load_tokenizer
     from specdec.backends.target import resolve_model
     tokenizer = load_tokenizer(resolve_model(args.target))
-    return [p for name in args.tasks for p in load_tasks(name, tokenizer=tokenizer)[: args.num_prompts]]
+    chosen = [(p, name) for name in args.tasks for p in load_tasks(name, tokenizer=tokenizer)[: args.num_prompts]]
+    return [p for p, _ in chosen], [name for _, name in chosen]
 
 
 def run_bench_command(args) -> int:
@@ -791,7 +827,7 @@ def run_bench_command(args) -> int:
     trees = [parse_tree(text) for text in args.trees]
     if args.num_prompts is not None and args.num_prompts < 1:
         raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    prompts = load_bench_prompts(args)
+    prompts, tasks = load_bench_prompts(args)
     if args.prompts and args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     requested = [parse_drafter(text, args.target) for text in args.drafters]
@@ -830,7 +866,7 @@ def run_bench_command(args) -> int:
                        more_engines=tuple(engines[1:] + variants), trees=tuple(trees), drafters=first.drafters,
                        block_sizes=tuple(args.block_sizes),
                        policies=tuple(dict.fromkeys(args.policies + ["load-aware"] * args.load_aware)),
-                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))
+                       sampling=SamplingConfig(args.temperature, args.top_k, args.top_p), tasks=tasks)
     if args.cost_curve:
         result["cost_curve"] = {e.backend: cost_curve(e.target.backend) for e in engines}
     if args.output:
