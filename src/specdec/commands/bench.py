@@ -81,7 +81,7 @@ class Method:
     outputs: list = field(default_factory=list)
     drafter: object = field(default=None, repr=False)  # specdec: what drafts (the efficiency's draft cost)
     # task -> [new tokens, seconds, tokens committed by verification, row-steps] of the chunks of one task
-    by_task: dict = field(default_factory=dict)  # specdec: what drafts (the efficiency's draft cost)
+    by_task: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
