@@ -798,3 +798,20 @@ def test_sharegpt_answers_reuse_the_datastores_answers_and_code_requests_join_th
     with pytest.raises(DataError, match="the zoo's corpus source takes none"):
         features.prepare_run("eagle", replace(te.PRESETS["tiny"], code_requests=1), zoo_path("target"),
                              tmp_path / "zoo", None, False, te.config_from_dict, lambda m: None)
+
+
+def test_features_computed_in_groups_of_similar_length_equal_one_padded_batch(chat_dir):
+    model = features.load_fast_target(chat_dir)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 30, 12, 30, 1, 19])
+    tokens = torch.randint(3, 200, (6, 32), generator=generator)
+    valid = torch.arange(32)[None] < lengths[:, None]
+    tokens[~valid] = 0
+    whole = features.layer_states(model, tokens, valid, (1, 3), budget=10 ** 6)  # one group: the padded batch
+    grouped = features.layer_states(model, tokens, valid, (1, 3), budget=40)     # groups of 1-8 rows, each cut
+    assert grouped.shape == whole.shape == (6, 32, 2, 64) and grouped.dtype == torch.bfloat16
+    assert torch.allclose(grouped[valid].float(), whole[valid].float(), atol=2e-2, rtol=2e-2)
+    assert not grouped[~valid].any()  # padded positions: zeros, read by nothing
+    with torch.no_grad():
+        direct = model(input_ids=tokens[1:2, :30], output_hidden_states=True).hidden_states[3][0].to(torch.bfloat16)
+    assert torch.allclose(grouped[1, :30, 1].float(), direct.float(), atol=2e-2, rtol=2e-2)

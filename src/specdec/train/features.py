@@ -650,11 +650,7 @@ class FeatureCache:
                 if model is None:
                     model = load_fast_target(target_dir)
                 rows = torch.arange(start, min(start + per_chunk, seqs.tokens.shape[0]))
-                tokens, valid = seqs.batch(rows)
-                with torch.no_grad():
-                    out = model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True,
-                                logits_to_keep=1)
-                states = torch.stack([out.hidden_states[i] for i in self.layers], dim=2).to(torch.bfloat16)
+                states = layer_states(model, *seqs.batch(rows), self.layers)
                 array[start: start + len(rows)] = states.view(torch.int16).numpy()
                 array.flush()
                 done.add(start)
@@ -673,6 +669,29 @@ class FeatureCache:
         picked = [self.layers.index(layer) for layer in layers]
         features = stacked[:, :, picked].flatten(2)
         return features, stacked[:, :, self.final]
+
+
+def layer_states(model, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...],
+                 budget: int = 2048) -> torch.Tensor:
+    """The hidden states [B, T, len(layers), H] (bfloat16) of ``layers`` for a batch of right-padded rows,
+    computed in groups of rows of similar length, each cut to its longest row and of about ``budget``
+    positions (about half of a padded chunk's positions were padding); a padded position's states are
+    zeros (nothing reads them: every loss and metric masks them)."""
+    lengths = valid.sum(1)
+    order = lengths.argsort(descending=True, stable=True)
+    out, first = None, 0
+    while first < len(order):
+        width = max(1, int(lengths[order[first]]))
+        group = order[first: first + max(1, budget // width)]
+        with torch.no_grad():
+            result = model(input_ids=tokens[group, :width], attention_mask=valid[group, :width].long(),
+                           output_hidden_states=True, logits_to_keep=1)
+        states = torch.stack([result.hidden_states[i] for i in layers], dim=2).to(torch.bfloat16)
+        if out is None:
+            out = states.new_zeros(tokens.shape[0], tokens.shape[1], *states.shape[2:])
+        out[group, :width] = states * valid[group, :width, None, None]
+        first += len(group)
+    return out
 
 
 def load_fast_target(target_dir: Path):
