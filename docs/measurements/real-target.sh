@@ -535,3 +535,18 @@ python docs/measurements/serve_policy_trace.py plain,fixed,load-aware 1 --drafte
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 2 --drafters eagle3 --draft-p-min 0.2 --policies load-aware --no-transformers --threads 2 \
   --output $OUT/eagle3-loadaware-bench-zen3-s25.json   # after LoadAware.verified_seconds
+
+# ---- twenty-sixth session: the same Zen 3 model (AMD EPYC family 25 model 1) ----
+# ShareGPT's greedy answers (the datastore's, committed) and the target's answers to 1,024 code requests; features
+echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192}' > code.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config code.json --data-dir runs/data \
+  --out runs/s26/data/out --ckpt-dir runs/s26/data/ckpt --threads 2 --max-minutes 0
+cat > eagle1.json <<'JSON'
+{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "head_vocab": 8192, "optim": {"steps": 1000, "lr": 4e-4, "warmup_steps": 20, "eval_every": 500}}
+JSON
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config eagle1.json --init-from $D/eagle \
+  --data-dir runs/data --out runs/s26/eagle/out --ckpt-dir runs/s26/eagle/ckpt --threads 2 --max-minutes 28
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 4 --draft-p-min 0 0.3 --drafters eagle=runs/s26/eagle/out eagle=$D/eagle --no-transformers --threads 2 \
+  --output $OUT/eagle-code-zen3-s26.json   # then its fastest row recorded (bench.record_fastest) and copied into $D/eagle
