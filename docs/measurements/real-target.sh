@@ -550,3 +550,17 @@ specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config 
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 4 --draft-p-min 0 0.3 --drafters eagle=runs/s26/eagle/out eagle=$D/eagle --no-transformers --threads 2 \
   --output $OUT/eagle-code-zen3-s26.json   # then its fastest row recorded (bench.record_fastest) and copied into $D/eagle
+cat > eagle3.json <<'JSON'
+{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "ttt_steps": 3, "optim": {"steps": 100, "lr": 2e-4, "warmup_steps": 5, "eval_every": 100}}
+JSON
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s26/eagle3/out --ckpt-dir runs/s26/eagle3/ckpt --threads 2 --max-minutes 32
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 --draft-p-min 0 0.2 --drafters eagle3=runs/s26/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
+  --output $OUT/eagle3-code-zen3-s26.json   # not kept: the committed folder stays
+for r in a b; do
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
+    --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
+    --in-process --output $OUT/dspark-serve-zen3-s26$r.json
+done
