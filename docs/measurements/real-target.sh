@@ -564,3 +564,4 @@ for r in a b; do
     --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \
     --in-process --output $OUT/dspark-serve-zen3-s26$r.json
 done
+specdec demo > $OUT/demo-zen3-s26.txt 2>&1
