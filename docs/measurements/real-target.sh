@@ -541,24 +541,19 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192}' > code.json
 specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config code.json --data-dir runs/data \
   --out runs/s26/data/out --ckpt-dir runs/s26/data/ckpt --threads 2 --max-minutes 0
-cat > eagle1.json <<'JSON'
-{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
- "head_vocab": 8192, "optim": {"steps": 1000, "lr": 4e-4, "warmup_steps": 20, "eval_every": 500}}
-JSON
-specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config eagle1.json --init-from $D/eagle \
-  --data-dir runs/data --out runs/s26/eagle/out --ckpt-dir runs/s26/eagle/ckpt --threads 2 --max-minutes 28
-specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
-  -k 4 --draft-p-min 0 0.3 --drafters eagle=runs/s26/eagle/out eagle=$D/eagle --no-transformers --threads 2 \
-  --output $OUT/eagle-code-zen3-s26.json   # then its fastest row recorded (bench.record_fastest) and copied into $D/eagle
-cat > eagle3.json <<'JSON'
-{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
- "ttt_steps": 3, "optim": {"steps": 100, "lr": 2e-4, "warmup_steps": 5, "eval_every": 100}}
-JSON
-specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3.json --init-from $D/eagle3 \
-  --data-dir runs/data --out runs/s26/eagle3/out --ckpt-dir runs/s26/eagle3/ckpt --threads 2 --max-minutes 32
-specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
-  -k 2 --draft-p-min 0 0.2 --drafters eagle3=runs/s26/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
-  --output $OUT/eagle3-code-zen3-s26.json   # not kept: the committed folder stays
+# EAGLE-1 (kept) and EAGLE-3 (not kept: the committed folder stays) continued on it, each then benched beside the
+# committed folder; EAGLE-1's fastest row then recorded (bench.record_fastest) and copied into $D/eagle
+for run in "eagle:eagle1:head_vocab:8192:1000:4e-4:20:500:28:4:0.3" "eagle3:eagle3:ttt_steps:3:100:2e-4:5:100:32:2:0.2"; do
+  IFS=: read m name field value steps lr warmup every minutes k p <<< "$run"
+  echo "{\"source\": \"sharegpt-answers\", \"train_sequences\": 2048, \"code_requests\": 1024, \"prefix_len\": 256,
+   \"generated_len\": 192, \"$field\": $value, \"optim\": {\"steps\": $steps, \"lr\": $lr, \"warmup_steps\": $warmup,
+   \"eval_every\": $every}}" > $name.json
+  specdec train $m --target smollm2-135m --preset $m-sharegpt-self --config $name.json --init-from $D/$m \
+    --data-dir runs/data --out runs/s26/$m/out --ckpt-dir runs/s26/$m/ckpt --threads 2 --max-minutes $minutes
+  specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+    -k $k --draft-p-min 0 $p --drafters $m=runs/s26/$m/out $m=$D/$m --no-transformers --threads 2 \
+    --output $OUT/$m-code-zen3-s26.json
+done
 for r in a b; do
   specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
     --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt --threads 2 \

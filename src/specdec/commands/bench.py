@@ -445,18 +445,21 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
             method, start = jobs[j]
             chunk = prompts[start: start + method.batch_size]
             outputs, info, elapsed = _run_timed(method, chunk)
+            produced = sum(len(o) for o in outputs)
+            # tokens committed by verification and row-steps (transformers' first pass verifies its first
+            # drafts together with the prompt)
+            committed, steps = ((info.tokens_from_steps, info.verify_steps) if method.impl == "specdec"
+                                else (len(outputs[0]), info))
             method.seconds += elapsed
-            method.new_tokens += sum(len(o) for o in outputs)
+            method.new_tokens += produced
+            method.tau_tokens += committed
+            method.tau_steps += steps
             task = set(tasks[start: start + method.batch_size]) if tasks else ()
             if len(task) == 1:
                 totals = method.by_task.setdefault(task.pop(), [0, 0.0, 0, 0])
-                totals[0] += sum(len(o) for o in outputs)
-                totals[1] += elapsed
-                totals[2:] = ((totals[2] + info.tokens_from_steps, totals[3] + info.verify_steps)
-                              if method.impl == "specdec" else (totals[2] + len(outputs[0]), totals[3] + info))
+                for i, value in enumerate((produced, elapsed, committed, steps)):
+                    totals[i] += value
             if method.impl == "specdec":
-                method.tau_tokens += info.tokens_from_steps
-                method.tau_steps += info.verify_steps
                 method.drafts_accepted += info.drafts_accepted
                 method.drafts_evaluated += info.drafts_evaluated
                 method.k_sum += info.k_sum
@@ -471,10 +474,6 @@ def run_bench(target: Target, prompts: list[list[int]], draft: DraftModel | None
                         totals[j] += count
                 method.steps += info.target_forwards - 1
                 method.drafting_steps += sum(1 for k in info.k_history if k)
-            else:  # transformers' first pass verifies its first drafts together with the prompt
-                (output,) = outputs
-                method.tau_tokens += len(output)
-                method.tau_steps += info
             results += [(method, start + offset, output) for offset, output in enumerate(outputs)]
             bar.update(1)
     bar.close()

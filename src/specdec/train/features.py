@@ -332,11 +332,18 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
     temperatures = ANSWER_TEMPERATURES.get(source, ANSWER_TEMPERATURES["sharegpt-self"])
 
     def answers(name: str, prompts: Callable[[], list[list[int]]], size: int, earlier=None) -> Sequences:
+        """The target's answers to ``prompts()`` (made only when not cached); ``earlier(prompts)``: a set made
+        before that answers the first of them."""
         path = root / f"train-{name}-{key}-{size}.pt"
-        made = cached_sequences(path, lambda: continuations(
-            target_dir, prompts(), generated_len, temperatures, generation_batch, seed, log, dtype=torch.bfloat16,
-            parts=parts_folder(path),
-            earlier=(earlier() if earlier else None) or largest_earlier(root, f"train-{name}-{key}-", size)))
+
+        def make() -> Sequences:
+            asked = prompts()
+            return continuations(target_dir, asked, generated_len, temperatures, generation_batch, seed, log,
+                                 dtype=torch.bfloat16, parts=parts_folder(path),
+                                 earlier=(earlier(asked) if earlier else None)
+                                 or largest_earlier(root, f"train-{name}-{key}-", size))
+
+        made = cached_sequences(path, make)
         shutil.rmtree(parts_folder(path), ignore_errors=True)
         return made
 
@@ -347,8 +354,8 @@ def chat_training_data(target_dir: Path, tokenizer, fingerprint: str, cache_dir:
         train = cached_sequences(root / f"train-sharegpt-{key}-{count}.pt", lambda: sharegpt_text(
             tokenizer, count, prefix_len + generated_len, seed, pad))
     elif source == "sharegpt-answers":
-        train = answers(source, openings, count, lambda: datastore_answers(target_dir, openings(), prefix_len,
-                                                                             generated_len, seed, pad))
+        train = answers(source, openings, count, lambda asked: datastore_answers(target_dir, asked, prefix_len,
+                                                                                  generated_len, seed, pad))
     else:
         train = answers(source, openings, count)
     if code_requests:
