@@ -11,7 +11,7 @@ from specdec.decode import GenerationConfig
 from specdec.engine import generate_ids
 from specdec.drafters import NoDraft
 from specdec.errors import SpecdecError
-from specdec.commands.llamacpp import MISSING, compare, first_difference, format_comparison, llama_cpp_plain
+from specdec.commands.llamacpp import MISSING, compare, file_dtype, first_difference, format_comparison, llama_cpp_plain
 from specdec.backends.target import load_target
 
 
@@ -19,6 +19,19 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 0]) == 2
+
+
+def test_specdec_computes_in_the_type_of_the_file_both_sides_run(model_dirs, tmp_path):
+    """A BF16 file is compared with specdec in bfloat16 (its float32 path would be slower than the file asks
+    for), every other type with float32 activations."""
+    pytest.importorskip("gguf")
+    from specdec.commands.gguf import export
+
+    kinds = {kind: file_dtype(export(model_dirs["llama"], tmp_path / f"{kind}.gguf", kind))
+             for kind in ("f32", "bf16", "q8_0")}
+    assert kinds == {"f32": "float32", "bf16": "bfloat16", "q8_0": "float32"}
+    with pytest.raises(SpecdecError, match="float32, bfloat16 or auto"):
+        compare(model_dirs["llama"], dtype="float16", progress=False)
 
 
 def test_missing_llama_cpp_is_one_clear_error(monkeypatch, tmp_path):

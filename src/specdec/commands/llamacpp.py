@@ -251,14 +251,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None = None,
             tasks: str = "code-completion", num_prompts: int = 10, max_new_tokens: int = 64, k: int = 4,
             threads: int = 1, gguf_path: str | os.PathLike | None = None, backend: str = "auto",
-            kv_caches: tuple[str, ...] = ("f32",), repeats: int = 1, progress: bool = True, repack: bool = True) -> dict:
+            kv_caches: tuple[str, ...] = ("f32",), repeats: int = 1, progress: bool = True, repack: bool = True,
+            dtype: str = "auto") -> dict:
     """Measure llama.cpp's plain decoding beside specdec's methods on the same prompts, interleaved.
 
     Every method runs each prompt ``repeats`` times (after one untimed warm-up prompt), in an order
     rotated from prompt to prompt; tokens are compared on the first round. ``gguf_path``: an
     existing export of ``target_dir`` (None: export one, f32, to a temporary file). ``kv_caches``:
     llama.cpp's KV cache type(s), one llama.cpp row each; the first is the reference of the ratios
-    and of the token comparison. Returns the table as a dict (``format_comparison`` prints it).
+    and of the token comparison. ``dtype``: what specdec computes in (float32 or bfloat16); "auto" takes
+    the type of the GGUF file both run (bfloat16 for a BF16 file, float32 otherwise), and an export of a
+    folder is made in that type, so both sides read the same weights. Returns the table as a dict
+    (``format_comparison`` prints it).
     """
     import torch
 
@@ -273,9 +277,18 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
         raise InvalidArgumentError("num_prompts, max_new_tokens, k, threads and repeats must be >= 1")
     if not kv_caches or any(kind not in KV_CACHE_TYPES for kind in kv_caches):
         raise InvalidArgumentError(f"KV cache types must be among {', '.join(KV_CACHE_TYPES)}")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise InvalidArgumentError(f"dtype must be float32, bfloat16 or auto, not {dtype!r}")
     llama_cpp = _llama_cpp()  # fail before any work when it is missing
     torch.set_num_threads(threads)
-    target = load_target(target_dir, backend=backend)
+    from specdec.backends.target import resolve_model
+    from specdec.models.llama import gguf_weights
+
+    folder = Path(resolve_model(target_dir))
+    weights = gguf_path or gguf_weights(folder)
+    if dtype == "auto":
+        dtype = file_dtype(weights) if weights is not None else "float32"
+    target = load_target(target_dir, dtype=dtype, backend=backend)
     prompts = target.encode(load_tasks(tasks, tokenizer=target.tokenizer)[:num_prompts])
     eos = list(target.eos_token_ids)
 
@@ -302,12 +315,9 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     specdec[f"specdec prompt-lookup k={k}"] = specdec_method(PromptLookup(), k)
 
     with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as scratch, ExitStack() as runners:
-        if gguf_path is None:  # a folder whose weights are a GGUF file runs that file; else an f32 export
-            from specdec.backends.target import resolve_model
-            from specdec.models.llama import gguf_weights
-
-            folder = Path(resolve_model(target_dir))
-            gguf_path = gguf_weights(folder) or export(folder, Path(scratch) / "target.gguf", "f32")
+        if weights is None:  # a folder whose weights are a GGUF file runs that file; else an export in dtype
+            weights = export(folder, Path(scratch) / "target.gguf", "bf16" if dtype == "bfloat16" else "f32")
+        gguf_path = weights
         n_ctx = max(len(p) for p in prompts) + max_new_tokens + 8
         methods = {f"llama.cpp plain ({kind} KV)": llama_cpp_method(runners.enter_context(
             LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind, repack=repack)))
@@ -355,17 +365,27 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     speculative = [r for r in table if r["method"] in specdec and r["method"] != "specdec plain"]
     best = max(speculative, key=lambda r: r["tokens_per_second"])
     return {"target": str(target_dir), "draft": None if draft_dir is None else str(draft_dir),
-            "backend": target.backend.description, "tasks": tasks, "num_prompts": len(prompts),
+            "backend": target.backend.description, "dtype": dtype, "tasks": tasks, "num_prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "threads": threads, "k": k, "repeats": repeats,
             "llama_cpp_version": getattr(llama_cpp, "__version__", "?"), "reference": reference_name,
             "methods": table, "best_speculative": best["method"]}
+
+
+def file_dtype(path: str | os.PathLike) -> str:
+    """bfloat16 where most of a GGUF file's matrices are BF16, float32 otherwise (quantized and float
+    files run with float32 activations)."""
+    from specdec.models.gguf import GGUFFile
+
+    types = [kind for name, kind in GGUFFile(path).tensor_types().items() if name.endswith(".weight")]
+    return "bfloat16" if 2 * types.count("BF16") > len(types) else "float32"
 
 
 def format_comparison(result: dict) -> str:
     n = result["num_prompts"]
     rows = {row["method"]: row for row in result["methods"]}
     reference, plain, best = rows[result["reference"]], rows["specdec plain"], rows[result["best_speculative"]]
-    header = (f"target {result['target']} (specdec backend {result['backend']}), {n} {result['tasks']} prompts, "
+    header = (f"target {result['target']} (specdec backend {result['backend']}, {result.get('dtype', 'float32')}), "
+              f"{n} {result['tasks']} prompts, "
               f"{result['max_new_tokens']} new tokens, {result['repeats']} round(s), {result['threads']} thread(s), "
               f"llama-cpp-python {result['llama_cpp_version']}")
     columns = (f"| method | tokens/s | x {reference['method']} | x specdec plain | tau | greedy = llama.cpp "
@@ -406,13 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-repack", action="store_true",
                         help="llama.cpp without its repacked weight buffers (llama-bench --repack 0): its AMX path "
                              "crashes where it was built by GCC 12")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="what specdec computes in (default auto: bfloat16 for a BF16 GGUF file, float32 otherwise; "
+                             "a folder's export is made in this type)")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
     try:
         check_output_path(args.json)
         result = compare(args.target, args.draft, args.tasks, args.num_prompts, args.max_new_tokens, args.k,
                          args.threads, args.gguf, args.backend, tuple(args.kv_cache), args.repeats,
-                         repack=not args.no_repack)
+                         repack=not args.no_repack, dtype=args.dtype)
         if args.json:
             write_atomic(args.json, json.dumps(result, indent=2) + "\n")
     except SpecdecError as exc:
