@@ -560,3 +560,32 @@ for r in a b; do
     --in-process --output $OUT/dspark-serve-zen3-s26$r.json
 done
 specdec demo > $OUT/demo-zen3-s26.txt 2>&1
+
+# ---- twenty-seventh session: AMD EPYC family 25 model 17 (Zen 4: avx512f/bw/vl, avx512_bf16, avx512_vnni; no AMX) ----
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 1 2 --output $OUT/cost-curves-zen4-s27.json
+# plain decoding and prompt lookup beside llama.cpp on four files (F32, BF16, Q8_0 exported; Q4_1 the shipped one);
+# llama-cpp-python without its own build, on the libraries built above
+CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36
+Q41=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m-q4_1'))")
+F32=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m'))")
+for w in f32 bf16 q8_0; do python -m specdec.commands.gguf $F32 /tmp/smollm2-$w.gguf --dtype $w; done
+for w in q4_1 q8_0 bf16 f32; do
+  case $w in q4_1) F=$Q41/model.gguf;; *) F=/tmp/smollm2-$w.gguf;; esac
+  LLAMA_CPP_LIB_PATH=$BIN python -m specdec.commands.llamacpp --target $F --gguf $F --tasks sharegpt --num-prompts 4 \
+    --max-new-tokens 96 -k 4 --threads 2 --json $OUT/llamacpp-$w-zen4-s27.json
+done
+# products alone per build of kernels.c (the row-loop unrolling and 8-row Q8_0 blocks tried; not kept)
+MODEL=/tmp/smollm2-q8_0.gguf python docs/measurements/products_variants.py 2 float32 1,4,8,12,16,17,32 A.c U.c UC.c
+python docs/measurements/products_variants.py 2 bfloat16 1,8,16 A.c P2k.c P8k.c PT0.c   # prefetch 2/8 KiB, into L1
+# the twenty-sixth session's data again (the machine was new), then EAGLE-3 continued on it
+echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256, "generated_len": 192}' > code.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config code.json --data-dir runs/data \
+  --out runs/s27/data/out --ckpt-dir runs/s27/data/ckpt --threads 2 --max-minutes 0
+echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256,
+ "generated_len": 192, "ttt_steps": 3, "optim": {"steps": 900, "lr": 4e-4, "warmup_steps": 20, "eval_every": 300}}' > eagle3.json
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config eagle3.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s27/eagle3/out --ckpt-dir runs/s27/eagle3/ckpt --threads 2 --max-minutes 55
+#   (stopped at step 40 for the kernel runs above, then:)
+specdec train eagle3 --target smollm2-135m --data-dir runs/data --out runs/s27/eagle3/out --ckpt-dir runs/s27/eagle3/ckpt \
+  --threads 2 --resume --max-minutes 50

@@ -5,7 +5,7 @@ the same weights and the same tokenizer, and llama.cpp's converter refuses byte-
 tokenizers whose pre-tokenizer it does not recognise by hash (the zoo's among them). Here the
 tokenizer is written as what it is, a GPT-2-style byte-level BPE with GPT-2's split regex.
 
-    python -m specdec.commands.gguf MODEL_DIR OUT.gguf [--dtype f32|f16]
+    python -m specdec.commands.gguf MODEL_DIR OUT.gguf [--dtype f32|f16|bf16|q8_0|q4_0|q4_1]
 
 Covers the native backend's families: llama and mistral (llama.cpp's "llama" architecture),
 qwen2 and qwen3. What changes on the way, besides names:
