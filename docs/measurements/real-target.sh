@@ -589,3 +589,9 @@ specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --confi
 #   (stopped at step 40 for the kernel runs above, then:)
 specdec train eagle3 --target smollm2-135m --data-dir runs/data --out runs/s27/eagle3/out --ckpt-dir runs/s27/eagle3/ckpt \
   --threads 2 --resume --max-minutes 50
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.2 --drafters eagle3=runs/s27/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
+  --output $OUT/eagle3-code-zen4-s27.json
+python -c "import json; from specdec.commands.bench import record_fastest; record_fastest(json.load(open('$OUT/eagle3-code-zen4-s27.json')), 'eagle3', 'runs/s27/eagle3/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s27/eagle3/out/{config.json,model.safetensors,training_summary.json} $D/eagle3/
+specdec demo > $OUT/demo-zen4-s27.txt 2>&1
