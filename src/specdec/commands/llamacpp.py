@@ -257,7 +257,8 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
 
     Every method runs each prompt ``repeats`` times (after one untimed warm-up prompt), in an order
     rotated from prompt to prompt; tokens are compared on the first round. ``gguf_path``: an
-    existing export of ``target_dir`` (None: export one, f32, to a temporary file). ``kv_caches``:
+    existing export of ``target_dir`` (None: the GGUF file a folder holds as its weights, else an export to a
+    temporary file). ``kv_caches``:
     llama.cpp's KV cache type(s), one llama.cpp row each; the first is the reference of the ratios
     and of the token comparison. ``dtype``: what specdec computes in (float32 or bfloat16); "auto" takes
     the type of the GGUF file both run (bfloat16 for a BF16 file, float32 otherwise), and an export of a
@@ -317,13 +318,12 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as scratch, ExitStack() as runners:
         if weights is None:  # a folder whose weights are a GGUF file runs that file; else an export in dtype
             weights = export(folder, Path(scratch) / "target.gguf", "bf16" if dtype == "bfloat16" else "f32")
-        gguf_path = weights
         n_ctx = max(len(p) for p in prompts) + max_new_tokens + 8
         methods = {f"llama.cpp plain ({kind} KV)": llama_cpp_method(runners.enter_context(
-            LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kind, repack=repack)))
+            LlamaCpp(weights, n_ctx=n_ctx, threads=threads, kv_cache=kind, repack=repack)))
             for kind in dict.fromkeys(kv_caches)}
         reference_name = next(iter(methods))
-        lookup = runners.enter_context(LlamaCpp(gguf_path, n_ctx=n_ctx, threads=threads, kv_cache=kv_caches[0],
+        lookup = runners.enter_context(LlamaCpp(weights, n_ctx=n_ctx, threads=threads, kv_cache=kv_caches[0],
                                                 logits_all=True, repack=repack))
         methods[f"llama.cpp prompt-lookup k={k} ({kv_caches[0]} KV)"] = lambda prompt: lookup_run(lookup, prompt)
         methods.update(specdec)
