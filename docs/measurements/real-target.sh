@@ -564,6 +564,7 @@ specdec demo > $OUT/demo-zen3-s26.txt 2>&1
 # ---- twenty-seventh session: AMD EPYC family 25 model 17 (Zen 4: avx512f/bw/vl, avx512_bf16, avx512_vnni; no AMX) ----
 BIN=$(bash ../shared/scripts/build-llamacpp.sh)
 python docs/measurements/cost_curves.py --llama-bench $BIN --threads 1 2 --output $OUT/cost-curves-zen4-s27.json
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s27b.json   # an hour later, specdec only
 # plain decoding and prompt lookup beside llama.cpp on four files (F32, BF16, Q8_0 exported; Q4_1 the shipped one);
 # llama-cpp-python without its own build, on the libraries built above
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36
