@@ -271,7 +271,8 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
     from specdec.engine import generate_ids
     from specdec.drafters import DraftModel, NoDraft, PromptLookup
     from specdec.commands.gguf import export
-    from specdec.backends.target import load_target
+    from specdec.backends.target import load_target, resolve_model
+    from specdec.models.llama import gguf_weights
     from specdec.zoo.tasks import load_tasks
 
     if min(num_prompts, max_new_tokens, k, threads, repeats) < 1:
@@ -282,9 +283,6 @@ def compare(target_dir: str | os.PathLike, draft_dir: str | os.PathLike | None =
         raise InvalidArgumentError(f"dtype must be float32, bfloat16 or auto, not {dtype!r}")
     llama_cpp = _llama_cpp()  # fail before any work when it is missing
     torch.set_num_threads(threads)
-    from specdec.backends.target import resolve_model
-    from specdec.models.llama import gguf_weights
-
     folder = Path(resolve_model(target_dir))
     weights = gguf_path or gguf_weights(folder)
     if dtype == "auto":
