@@ -210,6 +210,28 @@ def test_eagle3_on_sharegpt_caches_features_once(chat_dir, sharegpt, tmp_path, m
     assert torch.equal(computed, expected) and torch.equal(logits, expected_logits)
 
 
+def test_data_only_builds_the_ids_and_features_and_trains_nothing(chat_dir, sharegpt, tmp_path, monkeypatch, capsys):
+    from specdec.commands.cli import main
+
+    (tmp_path / "data.json").write_text(json.dumps({"source": "sharegpt", **SHAREGPT_DATA}))
+    data = tmp_path / "data"
+    run = ["train", "dflash", "--target", str(chat_dir), "--preset", "tiny", "--config", str(tmp_path / "data.json"),
+           "--data-dir", str(data)]
+    assert main([*run, "--out", str(tmp_path / "none"), "--data-only"]) == 0
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built["data_only"] and built["train_sequences"] == 8 and built["data_dir"] == str(data)
+    (folder,) = data.glob("features-*")
+    assert built["feature_cache"] == str(folder) and (folder / "train.done").is_file()
+    assert not (tmp_path / "none").exists()  # nothing trained, evaluated or exported
+    assert main(["train", "dflash", "--target", str(chat_dir), "--out", str(tmp_path / "none"), "--data-only",
+                 "--resume"]) == 2
+    assert "drop --resume" in capsys.readouterr().err
+    # A training run on the same data reads the cache the data-only run left.
+    monkeypatch.setattr(features, "load_fast_target", no_bulk_forward)
+    assert main([*run, "--out", str(tmp_path / "out"), "--steps", "2"]) == 0
+    assert (tmp_path / "out" / "config.json").is_file() and list(data.glob("features-*")) == [folder]
+
+
 def random_sets(seed: int) -> dict[str, Sequences]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([10, 7, 10, 4, 9, 10])

@@ -28,6 +28,26 @@ def _common_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
 
+def _data_options(parser: argparse.ArgumentParser, data_dir_help: str) -> None:
+    parser.add_argument("--data-dir", type=Path, default=None, metavar="DIR", help=data_dir_help)
+    parser.add_argument("--data-only", action="store_true",
+                        help="build the token ids and the cached target features, then stop: nothing is trained "
+                             "or written to --out (one cache serves later runs with --data-dir)")
+
+
+def _train_or_data(train) -> int:
+    """Run ``train`` (no arguments) and print its summary; a data-only run prints what it built instead."""
+    from specdec.train.features import DataReady
+
+    try:
+        summary = train()
+    except DataReady as ready:
+        print(json.dumps({"data_only": True, **ready.fields}))
+        return 0
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
+    return 0
+
+
 def _apply_overrides(config, args):
     from dataclasses import replace
 
@@ -43,6 +63,8 @@ def _apply_overrides(config, args):
 def _check_resume_options(args) -> None:
     if args.resume and any(v is not None for v in (args.config, args.preset, args.steps, args.seed)):
         raise SpecdecError("--resume takes the configuration from the checkpoint; drop --config/--preset/--steps/--seed")
+    if getattr(args, "data_only", False) and args.resume:
+        raise SpecdecError("--data-only builds a run's data and trains nothing; drop --resume")
 
 
 def _set_threads(threads: int) -> None:
@@ -79,18 +101,16 @@ def cmd_train_distill(args) -> int:
     _set_threads(args.threads)
     target = Path(resolve_model(args.target))
     if _is_zoo_target(target):
-        if args.data_dir is not None:
-            raise SpecdecError("--data-dir is for targets other than the zoo's (their features are cached)")
+        if args.data_dir is not None or args.data_only:
+            raise SpecdecError("--data-dir and --data-only are for targets other than the zoo's (their features "
+                               "are cached)")
         config = _apply_overrides(distill.load_config(args.config, args.preset or "zoo"), args)
-        summary = distill.train_distill(
-            config, target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
-        )
-    else:
-        config = _apply_overrides(draft.load_config(args.config, args.preset or "draft-sharegpt"), args)
-        summary = draft.train_draft(config, target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                                    max_minutes=args.max_minutes, data_dir=args.data_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0
+        return _train_or_data(lambda: distill.train_distill(config, target, args.out, ckpt_dir=args.ckpt_dir,
+                                                            resume=args.resume, max_minutes=args.max_minutes))
+    config = _apply_overrides(draft.load_config(args.config, args.preset or "draft-sharegpt"), args)
+    return _train_or_data(lambda: draft.train_draft(config, target, args.out, ckpt_dir=args.ckpt_dir,
+                                                    resume=args.resume, max_minutes=args.max_minutes,
+                                                    data_dir=args.data_dir, data_only=args.data_only))
 
 
 def cmd_train_drafter(args) -> int:
@@ -112,10 +132,9 @@ def cmd_train_drafter(args) -> int:
         config = replace(config, init_from=str(args.init_from))
     from specdec.backends.target import resolve_model
 
-    summary = train(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                    max_minutes=args.max_minutes, data_dir=args.data_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0
+    return _train_or_data(lambda: train(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir,
+                                        resume=args.resume, max_minutes=args.max_minutes, data_dir=args.data_dir,
+                                        data_only=args.data_only))
 
 
 def cmd_train_selfspec(args) -> int:
@@ -130,8 +149,9 @@ def cmd_train_selfspec(args) -> int:
     _set_threads(args.threads)
     if args.train_command == "mtp" and not _is_zoo_target(args.target):
         return _train_mtp_on_frozen_trunk(args)
-    if getattr(args, "data_dir", None) is not None:
-        raise SpecdecError("--data-dir is for targets other than the zoo's (their features are cached)")
+    if getattr(args, "data_dir", None) is not None or getattr(args, "data_only", False):
+        raise SpecdecError("--data-dir and --data-only are for targets other than the zoo's (their features are "
+                           "cached)")
     config = _apply_overrides(selfspec.load_config(args.config, args.preset or args.train_command), args)
     if args.train_command == "mtp":
         changes = {key: value for key, value in (("design", args.design), ("depth", args.depth)) if value is not None}
@@ -169,10 +189,10 @@ def _train_mtp_on_frozen_trunk(args) -> int:
         if args.depth < 1:
             raise SpecdecError(f"--depth must be >= 1, got {args.depth}")
         config = replace(config, shape=replace(config.shape, depth=args.depth))
-    summary = mtp.train_mtp(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir,
-                            resume=args.resume, max_minutes=args.max_minutes, data_dir=args.data_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0
+    return _train_or_data(lambda: mtp.train_mtp(config, Path(resolve_model(args.target)), args.out,
+                                                ckpt_dir=args.ckpt_dir, resume=args.resume,
+                                                max_minutes=args.max_minutes, data_dir=args.data_dir,
+                                                data_only=args.data_only))
 
 
 def cmd_train_evaluate(args) -> int:
@@ -298,9 +318,8 @@ def add_commands(subparsers) -> None:
     p = train_sub.add_parser("distill", help="distil a small draft model from a frozen target")
     _common_run_options(p)
     p.add_argument("--target", required=True, type=Path, help="target model folder or name (e.g. smollm2-135m)")
-    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                   help="targets other than the zoo's: folder of the token ids and cached target features "
-                        "(shared with the other drafters' runs on the same data)")
+    _data_options(p, "targets other than the zoo's: folder of the token ids and cached target features "
+                     "(shared with the other drafters' runs on the same data)")
     p.set_defaults(func=cmd_train_distill)
 
     for name, text in (("medusa", "Medusa-1 heads on the frozen target's last hidden state"),
@@ -311,9 +330,8 @@ def add_commands(subparsers) -> None:
         p = train_sub.add_parser(name, help=f"train {text}")
         _common_run_options(p)
         p.add_argument("--target", required=True, type=Path, help="exported target model folder")
-        p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                       help="folder of the token ids and cached target features (default: the checkpoint folder); "
-                            "runs on the same data share it, and a cache with more layers serves")
+        _data_options(p, "folder of the token ids and cached target features (default: the checkpoint folder); "
+                         "runs on the same data share it, and a cache with more layers serves")
         p.set_defaults(func=cmd_train_drafter)
         if name in ("dflash", "dspark", "eagle", "eagle3"):
             p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
@@ -331,8 +349,7 @@ def add_commands(subparsers) -> None:
                                          "them, any other target frozen with sequential modules beside it")
     _common_run_options(p)
     p.add_argument("--target", required=True, type=Path, help="the target model folder (or name, e.g. smollm2-135m)")
-    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                   help="targets other than the zoo's: folder of the token ids and cached target features")
+    _data_options(p, "targets other than the zoo's: folder of the token ids and cached target features")
     p.add_argument("--design", choices=("sequential", "parallel"), default=None,
                    help="sequential: DeepSeek-V3 modules (default); parallel: independent heads on a shared trunk")
     p.add_argument("--depth", type=int, default=None, help="modules or heads, each one token further (default 3)")

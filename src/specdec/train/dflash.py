@@ -209,10 +209,11 @@ def batch_maker(run, salt: int):
 
 def train_dflash(config: DFlashTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                  resume: bool = False, max_minutes: float | None = None,
-                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
+                 log: Callable[[str], None] | None = None, data_dir: Path | None = None,
+                 data_only: bool = False) -> dict[str, Any]:
     """Train (or resume) a DFlash drafter for the target in ``target_dir``; save it to ``out_dir``."""
     return train_blocks(DFLASH, config, target_dir, out_dir, ckpt_dir=ckpt_dir, resume=resume,
-                        max_minutes=max_minutes, log=log, data_dir=data_dir)
+                        max_minutes=max_minutes, log=log, data_dir=data_dir, data_only=data_only)
 
 
 @dataclass(frozen=True)
@@ -234,11 +235,12 @@ DFLASH = BlockMethod("dflash", dflash, dflash.DFlashConfig, dflash.DFlashNet, Ob
 
 def train_blocks(method: BlockMethod, config, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                  resume: bool = False, max_minutes: float | None = None,
-                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
+                 log: Callable[[str], None] | None = None, data_dir: Path | None = None,
+                 data_only: bool = False) -> dict[str, Any]:
     """Train (or resume) a block drafter of ``method`` for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     kind, model = method.kind, method.model
-    run = prepare_run(kind, config, target_dir, out_dir, ckpt_dir, resume, method.from_dict, log, data_dir)
+    run = prepare_run(kind, config, target_dir, out_dir, ckpt_dir, resume, method.from_dict, log, data_dir, data_only)
     config, target, held, log = run.config, run.target, run.held, run.log
     shape = config.shape
     if shape.layers < 1 or shape.block_size < 2 or shape.target_features < 1:

@@ -113,12 +113,13 @@ class Objective:
 
 def train_draft(config: DraftTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                 resume: bool = False, max_minutes: float | None = None, log: Callable[[str], None] | None = None,
-                data_dir: Path | None = None) -> dict[str, Any]:
+                data_dir: Path | None = None, data_only: bool = False) -> dict[str, Any]:
     """Distil (or resume distilling) a draft model for ``target_dir``; export it to ``out_dir``."""
     from specdec.models.eagle import TargetRecord
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    run = prepare_run("draft", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir)
+    run = prepare_run("draft", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir,
+                      data_only)
     config, target = run.config, run.target
     eos = target.config.eos_token_id
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else eos

@@ -176,14 +176,15 @@ class Objective:
 
 def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                 resume: bool = False, max_minutes: float | None = None,
-                log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
+                log: Callable[[str], None] | None = None, data_dir: Path | None = None,
+                data_only: bool = False) -> dict[str, Any]:
     """Train (or resume) an EAGLE drafter for the target in ``target_dir``; save it to ``out_dir``."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     # the folder to continue, read before anything is written (a wrong one is refused at once)
     source = eagle.load_net(config.init_from, expect_version=config.version) if config.init_from and not resume \
         else None
     run = prepare_run("eagle", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
-                      data_dir)
+                      data_dir, data_only)
     config, target, train, held, log = run.config, run.target, run.train, run.held, run.log
     if config.version not in (1, 3):
         raise EagleTrainError(f"EAGLE version must be 1 or 3, got {config.version}")

@@ -811,6 +811,14 @@ def warn_if_useless(metrics: dict[str, float], key: str, log: Callable[[str], No
     return False
 
 
+class DataReady(Exception):
+    """A data-only run's end: its token ids and feature cache are on disk, nothing was trained or exported."""
+
+    def __init__(self, fields: dict):
+        super().__init__(f"data ready in {fields['data_dir']}")
+        self.fields = fields
+
+
 @dataclass
 class DrafterRun:
     """What every drafter trainer sets up before its loop: the run's folders, the target and the data."""
@@ -826,6 +834,7 @@ class DrafterRun:
     source: str             # where the data came from (data_source)
     data_dir: Path          # token ids and feature caches (shared between runs on the same data)
     feature_seconds: float = 0.0
+    data_only: bool = False   # stop once the ids and features are on disk (DataReady), nothing trained
 
     def frozen(self, layers: tuple[int, ...]) -> FrozenTarget:
         """The frozen target for an objective reading ``layers``: with a feature cache of the train and
@@ -853,6 +862,9 @@ class DrafterRun:
                                                     if folder.is_dir()) if wanted <= found]
             cache = min(stored, key=lambda c: (c.missing(), len(c.layers)), default=None) or cache_of(wanted)
             self.feature_seconds = cache.build(self.target_dir, self.log)
+        if self.data_only:
+            raise DataReady({**self.data_fields(), "data_dir": str(self.data_dir),
+                             "feature_cache": str(cache.folder) if cache is not None else None})
         return FrozenTarget(self.target_dir, cache)
 
     @property
@@ -898,10 +910,10 @@ class DrafterRun:
 
 def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Path | None, resume: bool,
                 config_from_dict: Callable, log: Callable[[str], None] | None,
-                data_dir: Path | None = None) -> DrafterRun:
+                data_dir: Path | None = None, data_only: bool = False) -> DrafterRun:
     """Resolve folders, take the configuration from the checkpoint on resume, load the target and make
     (or read) its continuation data; token ids and features live in ``data_dir`` (default: the
-    checkpoint folder)."""
+    checkpoint folder). ``data_only``: the run stops with DataReady once its data are on disk."""
     import time
 
     from tqdm import tqdm
@@ -923,4 +935,4 @@ def prepare_run(kind: str, config, target_dir: Path, out_dir: Path, ckpt_dir: Pa
                                 generation_batch=config.generation_batch, seed=config.seed, log=log, source=source,
                                 code_requests=config.code_requests)
     return DrafterRun(config, target, train, held, ckpt_dir, time.monotonic() - started, log, Path(target_dir), source,
-                      data_dir)
+                      data_dir, data_only=data_only)

@@ -171,12 +171,13 @@ def target_cost(target_dir: Path) -> Callable[[int], float]:
 
 def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
                  resume: bool = False, max_minutes: float | None = None,
-                 log: Callable[[str], None] | None = None, data_dir: Path | None = None) -> dict[str, Any]:
+                 log: Callable[[str], None] | None = None, data_dir: Path | None = None,
+                 data_only: bool = False) -> dict[str, Any]:
     from specdec.models.eagle import TargetRecord
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     run = prepare_run("medusa", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
-                      data_dir)
+                      data_dir, data_only)
     config, target, held, log = run.config, run.target, run.held, run.log
     layer = target.num_layers
     shape = medusa.MedusaConfig(config.shape.heads, config.shape.layers, int(target.config.hidden_size),

@@ -115,13 +115,14 @@ class Objective:
 
 def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_dir: Path | None = None,
               resume: bool = False, max_minutes: float | None = None, log: Callable[[str], None] | None = None,
-              data_dir: Path | None = None) -> dict[str, Any]:
+              data_dir: Path | None = None, data_only: bool = False) -> dict[str, Any]:
     """Train (or resume) MTP modules for the frozen target in ``target_dir``; save them to ``out_dir``."""
     from specdec.models.eagle import TargetRecord
     from specdec.models.files import save_folder
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir)
+    run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir,
+                      data_only)
     config, target = run.config, run.target
     shape = mtp.MtpConfig.of(target.config, "sequential", config.shape.depth)
     torch.manual_seed(config.seed)
