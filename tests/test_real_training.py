@@ -692,6 +692,22 @@ def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, 
                  "--prompt", "hi", "--max-new-tokens", "4"])
     assert code == 2
 
+    # Continued on new data (--init-from): the run starts from the folder's modules (a lower first loss than
+    # the fresh run's), keeps its draft vocabulary, and drafts exactly; a folder without modules, or a depth
+    # other than the folder's, is one line.
+    (tmp_path / "more.json").write_text(json.dumps({"source": "sharegpt", **SHAREGPT_DATA,
+                                                    "optim": {"steps": 4, "eval_every": 100}}))
+    more = ["train", "mtp", "--target", str(chat_dir), "--preset", "tiny", "--config", str(tmp_path / "more.json"),
+            "--data-dir", str(tmp_path / "out" / "checkpoints")]
+    assert main([*more, "--out", str(tmp_path / "more"), "--init-from", str(tmp_path / "out")]) == 0
+    assert history(tmp_path / "more" / "checkpoints")[0]["loss"] < losses[0]
+    assert (tmp_path / "more" / "draft_vocab.json").read_text() == (tmp_path / "out" / "draft_vocab.json").read_text()
+    out = specdec.generate(target, ids, drafter=MTP(modules=tmp_path / "more"), num_draft_tokens=2, max_new_tokens=16)
+    assert out.token_ids == plain.token_ids
+    assert main([*more, "--out", str(tmp_path / "bad"), "--init-from", str(chat_dir)]) == 2
+    assert main([*more, "--out", str(tmp_path / "bad"), "--init-from", str(tmp_path / "out"), "--depth", "1"]) == 2
+    assert not (tmp_path / "bad").exists()
+
 
 def test_the_answers_source_is_the_targets_greedy_answers(chat_dir, sharegpt, tmp_path, monkeypatch, capsys):
     from specdec.commands.cli import main

@@ -60,6 +60,20 @@ def _apply_overrides(config, args):
     return config
 
 
+def _with_init_from(config, args):
+    """``config`` continuing ``--init-from``'s folder, when given."""
+    if getattr(args, "init_from", None) is None:
+        return config
+    from dataclasses import replace
+
+    if args.resume:
+        raise SpecdecError("--resume continues the checkpoint; drop --init-from")
+    if not (Path(args.init_from) / "config.json").is_file():
+        raise SpecdecError(f"--init-from needs a trained {args.train_command} folder (with config.json), "
+                           f"got {args.init_from}")
+    return replace(config, init_from=str(args.init_from))
+
+
 def _check_resume_options(args) -> None:
     if args.resume and any(v is not None for v in (args.config, args.preset, args.steps, args.seed)):
         raise SpecdecError("--resume takes the configuration from the checkpoint; drop --config/--preset/--steps/--seed")
@@ -120,16 +134,7 @@ def cmd_train_drafter(args) -> int:
     _check_resume_options(args)
     _set_threads(args.threads)
     config, train = drafter_training(args.train_command, args.config, args.preset or args.train_command)
-    config = _apply_overrides(config, args)
-    if getattr(args, "init_from", None) is not None:
-        from dataclasses import replace
-
-        if args.resume:
-            raise SpecdecError("--resume continues the checkpoint; drop --init-from")
-        if not (Path(args.init_from) / "config.json").is_file():
-            raise SpecdecError(f"--init-from needs a trained {args.train_command} folder (with config.json), "
-                               f"got {args.init_from}")
-        config = replace(config, init_from=str(args.init_from))
+    config = _with_init_from(_apply_overrides(config, args), args)
     from specdec.backends.target import resolve_model
 
     return _train_or_data(lambda: train(config, Path(resolve_model(args.target)), args.out, ckpt_dir=args.ckpt_dir,
@@ -149,9 +154,9 @@ def cmd_train_selfspec(args) -> int:
     _set_threads(args.threads)
     if args.train_command == "mtp" and not _is_zoo_target(args.target):
         return _train_mtp_on_frozen_trunk(args)
-    if getattr(args, "data_dir", None) is not None or getattr(args, "data_only", False):
-        raise SpecdecError("--data-dir and --data-only are for targets other than the zoo's (their features are "
-                           "cached)")
+    if any(getattr(args, name, None) not in (None, False) for name in ("data_dir", "data_only", "init_from")):
+        raise SpecdecError("--data-dir, --data-only and --init-from are for targets other than the zoo's (their "
+                           "features are cached)")
     config = _apply_overrides(selfspec.load_config(args.config, args.preset or args.train_command), args)
     if args.train_command == "mtp":
         changes = {key: value for key, value in (("design", args.design), ("depth", args.depth)) if value is not None}
@@ -184,8 +189,10 @@ def _train_mtp_on_frozen_trunk(args) -> int:
     if args.design == "parallel":
         raise SpecdecError("on a frozen target MTP trains sequential modules only (parallel heads continue the "
                            "zoo's target)")
-    config = _apply_overrides(mtp.load_config(args.config, args.preset or "mtp-sharegpt"), args)
+    config = _with_init_from(_apply_overrides(mtp.load_config(args.config, args.preset or "mtp-sharegpt"), args), args)
     if args.depth is not None:
+        if args.init_from is not None:
+            raise SpecdecError("--init-from continues the folder's modules at its depth; drop --depth")
         if args.depth < 1:
             raise SpecdecError(f"--depth must be >= 1, got {args.depth}")
         config = replace(config, shape=replace(config.shape, depth=args.depth))
@@ -353,6 +360,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--design", choices=("sequential", "parallel"), default=None,
                    help="sequential: DeepSeek-V3 modules (default); parallel: independent heads on a shared trunk")
     p.add_argument("--depth", type=int, default=None, help="modules or heads, each one token further (default 3)")
+    p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                   help="targets other than the zoo's: continue a folder of modules trained beside this target "
+                        "(new data; its depth)")
     p.set_defaults(func=cmd_train_selfspec)
 
     p = train_sub.add_parser("draft-vocab", help="draft from the most frequent training tokens only: a drafter that "

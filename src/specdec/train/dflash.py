@@ -34,8 +34,8 @@ from specdec.models import dflash
 from specdec.train import config as train_config
 from specdec.train import data
 from specdec.train.config import config_to_dict
-from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, acceptance_summary, leading_matches,
-                                    prepare_run, warn_if_useless)
+from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, acceptance_summary, carried_vocabulary,
+                                    leading_matches, prepare_run, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 
@@ -290,18 +290,6 @@ def train_blocks(method: BlockMethod, config, target_dir: Path, out_dir: Path, *
     files = {"training_summary.json": json.dumps(summary, indent=2) + "\n", **carried_vocabulary(config.init_from, log, kind)}
     model.save(net, out_dir, extra=files)
     return summary
-
-
-def carried_vocabulary(init_from: str, log: Callable[[str], None], kind: str) -> dict[str, str]:
-    """The continued folder's draft vocabulary file, for the new folder: the rows of the target's head the
-    drafter drafts from are the target's, not the weights', and without them every draft reads all of it."""
-    from specdec.drafters.base import DRAFT_VOCAB_FILE
-
-    source = Path(init_from) / DRAFT_VOCAB_FILE if init_from else None
-    if source is None or not source.is_file():
-        return {}
-    log(f"[{kind}] {DRAFT_VOCAB_FILE} carried over from {init_from}")
-    return {DRAFT_VOCAB_FILE: source.read_text()}
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,

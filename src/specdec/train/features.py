@@ -811,6 +811,18 @@ def warn_if_useless(metrics: dict[str, float], key: str, log: Callable[[str], No
     return False
 
 
+def carried_vocabulary(init_from: str, log: Callable[[str], None], kind: str) -> dict[str, str]:
+    """The continued folder's draft vocabulary file, for the new folder: the rows of the target's head the
+    drafter drafts from are the target's, not the weights', and without them every draft reads all of it."""
+    from specdec.drafters.base import DRAFT_VOCAB_FILE
+
+    source = Path(init_from) / DRAFT_VOCAB_FILE if init_from else None
+    if source is None or not source.is_file():
+        return {}
+    log(f"[{kind}] {DRAFT_VOCAB_FILE} carried over from {init_from}")
+    return {DRAFT_VOCAB_FILE: source.read_text()}
+
+
 class DataReady(Exception):
     """A data-only run's end: its token ids and feature cache are on disk, nothing was trained or exported."""
 

@@ -30,9 +30,14 @@ import torch.nn.functional as F
 from specdec.models import mtp
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import (TINY_DATA, DataRecipe, acceptance_summary, anchor_mask, prepare_run, shifted,
-                                    soft_cross_entropy)
+from specdec.errors import SpecdecError
+from specdec.train.features import (TINY_DATA, DataRecipe, acceptance_summary, anchor_mask, carried_vocabulary,
+                                    prepare_run, shifted, soft_cross_entropy)
 from specdec.train.loop import OptimConfig
+
+class MtpTrainError(SpecdecError):
+    pass
+
 
 @dataclass(frozen=True)
 class MtpShape:
@@ -46,6 +51,7 @@ class MtpTrainConfig(DataRecipe):
                                                                    eval_every=75, ckpt_every_steps=20, bfloat16=True))
     decay: float = 0.8
     init_from_target: bool = True   # every module starts as a copy of the target's last layer and final norm
+    init_from: str = ""             # a folder of modules trained beside this target to continue (its depth wins)
 
 
 PRESETS: dict[str, MtpTrainConfig] = {
@@ -124,11 +130,14 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir,
                       data_only)
     config, target = run.config, run.target
-    shape = mtp.MtpConfig.of(target.config, "sequential", config.shape.depth)
     torch.manual_seed(config.seed)
-    net = mtp.MtpNet(shape)
+    if config.init_from:
+        net = continued_modules(config.init_from, target)
+    else:
+        net = mtp.MtpNet(mtp.MtpConfig.of(target.config, "sequential", config.shape.depth))
+    shape = net.config
     frozen = run.frozen((target.num_layers,))
-    if config.init_from_target and not resume:
+    if config.init_from_target and not config.init_from and not resume:
         net.init_from_main(frozen.model)
     result, final, useless = run.fit(net, Objective(config, frozen, target.num_layers), "mtp", 43, resume,
                                        max_minutes, "tau_k1", "MTP")
@@ -141,8 +150,26 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     folder_config = {**json.loads((target_dir / "config.json").read_text()), **shape.config_entries(),
                      mtp.MODULES_KEY: asdict(TargetRecord.of(target))}
     save_folder(out_dir, folder_config, "model.safetensors", net.tensors(), torch.bfloat16,
-                extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+                extra={"training_summary.json": json.dumps(summary, indent=2) + "\n",
+                       **carried_vocabulary(config.init_from, run.log, "mtp")})
     return summary
+
+
+def continued_modules(folder: str, target) -> mtp.MtpNet:
+    """The sequential modules of ``folder``, trained beside this target, in float32 and ready to train on;
+    one line when the folder holds none or was made for another target's shapes."""
+    from specdec.drafters.mtp import modules_record
+
+    record, shape = modules_record(folder)
+    if shape is None or shape.design != "sequential":
+        raise MtpTrainError(f"{folder} holds no sequential MTP modules to continue")
+    made = mtp.MtpConfig.of(target.config, "sequential", shape.depth)
+    if shape != made:
+        raise MtpTrainError(f"{folder} holds MTP modules for another target's shapes than this one")
+    warning = record.check(target, f"the MTP modules in {folder}", shape.hidden_size, target.vocab_size)
+    if warning:
+        raise MtpTrainError(warning)
+    return mtp.read_mtp(folder).train()
 
 
 __all__ = ["MtpTrainConfig", "PRESETS", "load_config", "train_mtp"]
