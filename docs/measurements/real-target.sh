@@ -596,3 +596,30 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python -c "import json; from specdec.commands.bench import record_fastest; record_fastest(json.load(open('$OUT/eagle3-code-zen4-s27.json')), 'eagle3', 'runs/s27/eagle3/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s27/eagle3/out/{config.json,model.safetensors,training_summary.json} $D/eagle3/
 specdec demo > $OUT/demo-zen4-s27.txt 2>&1
+
+# ---- twenty-eighth session: AMD EPYC family 25 model 17 (Zen 4: avx512f/bw/vl, avx512_bf16, avx512_vnni; no AMX) ----
+# The twenty-sixth session's data (ShareGPT greedy answers + the target's answers to 1,024 code requests) and its
+# 4-layer feature cache, rebuilt (on a new machine) without training anything:
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config code.json --data-dir runs/data \
+  --out runs/s28/data --threads 2 --data-only
+# DFlash and DSpark continued on it with equal planned budgets (2.95 and 3.47 s a step measured here: 500 and 430
+# steps, about 25 minutes each)
+mkdir -p runs/s28/old && for m in dflash dspark; do cp -r $D/$m runs/s28/old/$m; done
+for run in dflash:500:15 dspark:430:10; do IFS=: read m steps warmup <<< "$run"
+  echo "{\"source\": \"sharegpt-answers\", \"train_sequences\": 2048, \"code_requests\": 1024, \"prefix_len\": 256,
+   \"generated_len\": 192, \"optim\": {\"steps\": $steps, \"lr\": 6e-4, \"warmup_steps\": $warmup, \"eval_every\": $steps}}" > $m.json
+  specdec train $m --target smollm2-135m --preset $m-sharegpt --config $m.json --init-from $D/$m --data-dir runs/data \
+    --out runs/s28/$m/out --ckpt-dir runs/s28/$m/ckpt --threads 2 --max-minutes 30
+done
+O=runs/s28
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --drafters dflash=$O/dflash/out dflash=$O/old/dflash dspark=$O/dspark/out dspark=$O/old/dspark eagle3 \
+  --no-transformers --threads 2 --output $OUT/block-code-zen4-s28.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/block-code-zen4-s28.json'));
+[record_fastest(r, m, f'runs/s28/{m}/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True) for m in ('dflash', 'dspark')]"
+for m in dflash dspark; do cp runs/s28/$m/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/$m/; done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --temperature 0.7 --drafters dflash dspark eagle3 --no-transformers --threads 2 --output $OUT/block-t07-zen4-s28.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
+  dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
+  --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s28.json
