@@ -27,13 +27,14 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.errors import SpecdecError
 from specdec.models import mtp
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.errors import SpecdecError
 from specdec.train.features import (TINY_DATA, DataRecipe, acceptance_summary, anchor_mask, carried_vocabulary,
                                     prepare_run, shifted, soft_cross_entropy)
 from specdec.train.loop import OptimConfig
+
 
 class MtpTrainError(SpecdecError):
     pass
@@ -127,12 +128,14 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     from specdec.models.files import save_folder
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
+    # the folder to continue, read before the data are built (a wrong one is refused at once)
+    source = modules_to_continue(config.init_from) if config.init_from else None
     run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir,
                       data_only)
     config, target = run.config, run.target
     torch.manual_seed(config.seed)
-    if config.init_from:
-        net = continued_modules(config.init_from, target)
+    if source is not None:
+        net = fitted(source, config.init_from, target)
     else:
         net = mtp.MtpNet(mtp.MtpConfig.of(target.config, "sequential", config.shape.depth))
     shape = net.config
@@ -155,21 +158,27 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     return summary
 
 
-def continued_modules(folder: str, target) -> mtp.MtpNet:
-    """The sequential modules of ``folder``, trained beside this target, in float32 and ready to train on;
-    one line when the folder holds none or was made for another target's shapes."""
+def modules_to_continue(folder: str):
+    """(target record, modules in float32) of a folder of sequential modules trained beside a target; one line
+    when it holds none."""
     from specdec.drafters.mtp import modules_record
 
     record, shape = modules_record(folder)
     if shape is None or shape.design != "sequential":
         raise MtpTrainError(f"{folder} holds no sequential MTP modules to continue")
-    made = mtp.MtpConfig.of(target.config, "sequential", shape.depth)
-    if shape != made:
+    return record, mtp.read_mtp(folder)
+
+
+def fitted(source, folder: str, target) -> mtp.MtpNet:
+    """``source``'s modules (modules_to_continue), ready to train on, when they were made for ``target``;
+    one line when they were made for another."""
+    record, net = source
+    if net.config != mtp.MtpConfig.of(target.config, "sequential", net.config.depth):
         raise MtpTrainError(f"{folder} holds MTP modules for another target's shapes than this one")
-    warning = record.check(target, f"the MTP modules in {folder}", shape.hidden_size, target.vocab_size)
+    warning = record.check(target, f"the MTP modules in {folder}", net.config.hidden_size, target.vocab_size)
     if warning:
         raise MtpTrainError(warning)
-    return mtp.read_mtp(folder).train()
+    return net.train()
 
 
 __all__ = ["MtpTrainConfig", "PRESETS", "load_config", "train_mtp"]
