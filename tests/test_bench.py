@@ -127,6 +127,21 @@ def test_record_writes_each_folders_own_fastest_setting_when_a_method_runs_twice
     assert (recorded["old"]["num_draft_tokens"], recorded["old"]["speedup_vs_plain"]) == (4, 1.05)
 
 
+def test_two_folders_of_one_method_are_labelled_by_their_folders_mtp_modules_too():
+    """Rows of two folders of one method in one run name each folder, so that record_fastest finds its own; MTP
+    modules kept apart from their target are named by their folder as well."""
+    from types import SimpleNamespace
+
+    from specdec.commands.bench import drafter_note
+
+    for attribute in ("path", "modules"):
+        new, old = (SimpleNamespace(**{attribute: f"/runs/{name}"}, setting="") for name in ("new", "old"))
+        engine = SimpleNamespace(drafters=[("mtp", new), ("mtp", old)])
+        assert (drafter_note(engine, "mtp", new), drafter_note(engine, "mtp", old)) == ("(new)", "(old)")
+    alone = SimpleNamespace(modules="/runs/new", setting="")
+    assert drafter_note(SimpleNamespace(drafters=[("mtp", alone)]), "mtp", alone) == ""
+
+
 def test_a_draft_models_efficiency_bound_uses_its_own_pass():
     """Two draft models in one run (--draft beside a quantized file among the drafters, as the demo runs): each
     method's bound counts the pass of the model that drafted it."""

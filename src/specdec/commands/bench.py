@@ -327,7 +327,8 @@ def drafter_note(engine: Engine, name: str, drafter) -> str:
     """Tells apart two drafters of one method measured together by their folders' names (one folder at
     several cuts: their settings, which the labels carry, tell them apart)."""
     same = [d for other, d in engine.drafters if other == name]
-    keys = [(Path(getattr(d, "path", "") or name).name, getattr(d, "setting", "")) for d in same]
+    keys = [(Path(getattr(d, "path", "") or getattr(d, "modules", "") or name).name, getattr(d, "setting", ""))
+            for d in same]  # MTP modules kept apart from their target: their folder
     if len({folder for folder, _ in keys}) < 2 and len(set(keys)) == len(keys):
         return ""
     index = next(i for i, d in enumerate(same) if d is drafter)
