@@ -623,3 +623,14 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
   dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
   --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s28.json
+# MTP continued on the same data (--init-from, new), then benched beside the committed module; its fastest row
+# recorded (the rows of the new folder: bench labelled both folders "mtp #n" then) and copied into $D/mtp
+echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256,
+ "generated_len": 192, "optim": {"steps": 300, "lr": 1e-3, "warmup_steps": 20, "eval_every": 150}}' > mtp.json
+specdec train mtp --target smollm2-135m --config mtp.json --init-from $D/mtp --data-dir runs/data \
+  --out runs/s28/mtp/out --ckpt-dir runs/s28/mtp/ckpt --threads 2 --max-minutes 28
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/s28/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
+  --output $OUT/mtp-code-zen4-s28.json
+specdec demo > $OUT/demo-zen4-s28.txt 2>&1
+python docs/measurements/dspark_serve_trace.py 1 > $OUT/dspark-serve-trace-1-zen4-s28.txt 2>&1
