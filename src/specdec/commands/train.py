@@ -36,7 +36,8 @@ def _data_options(parser: argparse.ArgumentParser, data_dir_help: str) -> None:
 
 
 def _train_or_data(train) -> int:
-    """Run ``train`` (no arguments) and print its summary; a data-only run prints what it built instead."""
+    """Run ``train`` (no arguments) and print its summary but the configuration; a data-only run prints what
+    it built instead."""
     from specdec.train.features import DataReady
 
     try:
@@ -98,11 +99,8 @@ def cmd_train_target(args) -> int:
     if tokenizer_dir is None and (default_tokenizer_dir() / "tokenizer.json").is_file():
         tokenizer_dir = default_tokenizer_dir()
     tokenizer_dir = target.ensure_tokenizer(tokenizer_dir, Path(args.out) / "tokenizer-work", print)
-    summary = target.train_target(
-        config, args.out, tokenizer_dir, ckpt_dir=args.ckpt_dir, resume=args.resume, max_minutes=args.max_minutes
-    )
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0
+    return _train_or_data(lambda: target.train_target(config, args.out, tokenizer_dir, ckpt_dir=args.ckpt_dir,
+                                                      resume=args.resume, max_minutes=args.max_minutes))
 
 
 def cmd_train_distill(args) -> int:
@@ -163,10 +161,8 @@ def cmd_train_selfspec(args) -> int:
         config = selfspec.config_from_dict({**asdict(config), **changes, "method": "mtp"})
     elif args.exit_weight is not None:
         config = replace(config, exit_weight=args.exit_weight)
-    summary = selfspec.train_selfspec(config, args.target, args.out, ckpt_dir=args.ckpt_dir, resume=args.resume,
-                                      max_minutes=args.max_minutes)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
-    return 0
+    return _train_or_data(lambda: selfspec.train_selfspec(config, args.target, args.out, ckpt_dir=args.ckpt_dir,
+                                                          resume=args.resume, max_minutes=args.max_minutes))
 
 
 def _is_zoo_target(target) -> bool:
