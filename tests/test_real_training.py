@@ -704,6 +704,10 @@ def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, 
     assert (tmp_path / "more" / "draft_vocab.json").read_text() == (tmp_path / "out" / "draft_vocab.json").read_text()
     out = specdec.generate(target, ids, drafter=MTP(modules=tmp_path / "more"), num_draft_tokens=2, max_new_tokens=16)
     assert out.token_ids == plain.token_ids
+    # Resumed, the run rebuilds the folder's modules from its checkpoint's configuration.
+    assert main(["train", "mtp", "--target", str(chat_dir), "--out", str(tmp_path / "more"), "--resume",
+                 "--data-dir", str(tmp_path / "out" / "checkpoints")]) == 0
+    assert json.loads((tmp_path / "more" / "training_summary.json").read_text())["depth"] == 2
     assert main([*more, "--out", str(tmp_path / "bad"), "--init-from", str(chat_dir)]) == 2
     assert main([*more, "--out", str(tmp_path / "bad"), "--init-from", str(tmp_path / "out"), "--depth", "1"]) == 2
     assert not (tmp_path / "bad").exists()

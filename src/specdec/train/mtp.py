@@ -20,7 +20,7 @@ teacher-forced pass cannot reproduce; ``specdec bench`` measures them.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -128,17 +128,17 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     from specdec.models.files import save_folder
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    # the folder to continue, read before the data are built (a wrong one is refused at once)
-    source = modules_to_continue(config.init_from) if config.init_from else None
+    # the folder to continue, read before the data are built (a wrong one is refused at once); its depth goes
+    # into the run's configuration, which a resumed run (weights from the checkpoint) rebuilds the modules from
+    source = modules_to_continue(config.init_from) if config.init_from and not resume else None
+    if source is not None:
+        config = replace(config, shape=replace(config.shape, depth=source[1].config.depth))
     run = prepare_run("mtp", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log, data_dir,
                       data_only)
     config, target = run.config, run.target
     torch.manual_seed(config.seed)
-    if source is not None:
-        net = fitted(source, config.init_from, target)
-    else:
-        net = mtp.MtpNet(mtp.MtpConfig.of(target.config, "sequential", config.shape.depth))
-    shape = net.config
+    shape = mtp.MtpConfig.of(target.config, "sequential", config.shape.depth)
+    net = fitted(source, config.init_from, shape, target) if source is not None else mtp.MtpNet(shape)
     frozen = run.frozen((target.num_layers,))
     if config.init_from_target and not config.init_from and not resume:
         net.init_from_main(frozen.model)
@@ -169,11 +169,11 @@ def modules_to_continue(folder: str):
     return record, mtp.read_mtp(folder)
 
 
-def fitted(source, folder: str, target) -> mtp.MtpNet:
-    """``source``'s modules (modules_to_continue), ready to train on, when they were made for ``target``;
-    one line when they were made for another."""
+def fitted(source, folder: str, shape: mtp.MtpConfig, target) -> mtp.MtpNet:
+    """``source``'s modules (modules_to_continue), ready to train on, when they have this run's ``shape`` and
+    were made for ``target``; one line when they were made for another."""
     record, net = source
-    if net.config != mtp.MtpConfig.of(target.config, "sequential", net.config.depth):
+    if net.config != shape:
         raise MtpTrainError(f"{folder} holds MTP modules for another target's shapes than this one")
     warning = record.check(target, f"the MTP modules in {folder}", net.config.hidden_size, target.vocab_size)
     if warning:
