@@ -125,6 +125,26 @@ static inline float stored(float v, int dtype) {
 #endif
     return v;
 }
+/* stored() on eight lanes; bfloat16 in registers with to_bf16's integer steps (lane by lane through
+   memory, a 16-row pass's SiLU took 5% of its time on a Zen 4). */
+static inline v8 v_stored(v8 v, int dtype) {
+    if (dtype == F32) return v;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dtype == BF16) {
+        __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i rounded = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), high);
+        __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan));
+    }
+#endif
+    float lane[8];
+    v_store(lane, v);
+    for (int l = 0; l < 8; l++) lane[l] = stored(lane[l], dtype);
+    return v_load(lane);
+}
 /* A row of n elements as float32 into dst (a copy for float32, a widening for bfloat16). */
 static void widen(const void* src, long n, int dtype, float* dst) {
     if (dtype == F32) memcpy(dst, src, n * sizeof(float));
@@ -152,6 +172,7 @@ static inline float inverse_rms(const float* x, long n, float eps) {
  * and every chain of operations are those of the plain layout, so the bits are too.
  */
 #define HALVES 6 /* the layout code of such panels (beside the quantized types 3-5) */
+#define PAIRS 7  /* bfloat16 panels as pairs, [panels][K/2][16][2] (sd_bf16_pairs) */
 static inline v8 load_f16(const void* w, long at) {
     float f[8];
     for (int i = 0; i < 8; i++) f[i] = load1(w, at + i, F16);
@@ -169,14 +190,8 @@ static inline v8 load8(const void* p, long at, int dtype) {
 static inline void store8(void* p, long at, v8 v, int dtype) {
     if (dtype == F32) { v_store((float*)p + at, v); return; }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (dtype == BF16) { /* to_bf16 on eight lanes: the same integer steps */
-        __m256i u = _mm256_castps_si256(v);
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-        __m256i h = _mm256_blendv_epi8(rounded, quiet, nan); /* eight values below 0x10000 */
+    if (dtype == BF16) { /* to_bf16 on eight lanes: the rounded values' high halves */
+        __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v_stored(v, BF16)), 16); /* eight values below 0x10000 */
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
         _mm_storeu_si128((__m128i*)((uint16_t*)p + at), packed);
         return;
@@ -193,6 +208,35 @@ struct linear_out {
     long N, ldr, ldy; int dtype; const float* scale;
 };
 
+#if defined(__AVX512F__)
+/* Sixteen consecutive float32 or bfloat16 elements as float32 lanes, and back (rounded as to_bf16).
+   The AVX-512 tiles store their chains sixteen lanes at a time; reading such a store back in halves
+   misses store-to-load forwarding and stalls: measured on a Zen 4, a quarter of a 16-row Q8_0 tile. */
+static inline __m512 load16(const void* p, long at, int dtype) {
+    if (dtype == F32) return _mm512_loadu_ps((const float*)p + at);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline void store16(void* p, long at, __m512 v, int dtype) {
+    if (dtype == F32) { _mm512_storeu_ps((float*)p + at, v); return; }
+    store8(p, at, _mm512_castps512_ps256(v), dtype);
+    store8(p, at + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), dtype);
+}
+#endif
+
+/* Whole groups of LANES columns from c on, in vectors of type V with these operations: the same IEEE
+   operations in the same order as finish_tile's scalar tail, so an element's bits do not depend on which
+   path stored it. */
+#define FINISH_GROUPS(LANES, V, LOAD, MUL, SET1, ADD, LOAD_T, STORE_T)                           \
+    for (; c + LANES <= width && col0 + c + LANES <= o->N; c += LANES) {                          \
+        long col = col0 + c;                                                                       \
+        V v = LOAD(acc + r * ldacc + c);                                                           \
+        if (o->scale) v = MUL(v, SET1(o->scale[row]));                                             \
+        if (o->bias) v = ADD(v, LOAD_T(o->bias, col, dtype));                                      \
+        if (o->residual) v = ADD(v, LOAD_T(o->residual, row * o->ldr + col, dtype));               \
+        STORE_T(o->y, row * o->ldy + col, v, dtype);                                               \
+    }
+
 /* Stores the finished chains of rows [m, m + R) x columns [col0, col0 + width), acc[r * ldacc + c]. */
 static void finish_tile(const struct linear_out* o, const float* acc, long ldacc, long m, int R, long col0,
                         int width) {
@@ -200,16 +244,11 @@ static void finish_tile(const struct linear_out* o, const float* acc, long ldacc
     for (int r = 0; r < R; r++) {
         long row = m + r;
         int c = 0;
-        /* Whole groups of 8 columns in vectors: the same IEEE operations in the same order as
-           the scalar tail below, so an element's bits do not depend on which path stored it. */
-        for (; c + 8 <= width && col0 + c + 8 <= o->N; c += 8) {
-            long col = col0 + c;
-            v8 v = v_load(acc + r * ldacc + c);
-            if (o->scale) v = v_mul(v, v_set1(o->scale[row]));
-            if (o->bias) v = v_add(v, load8(o->bias, col, dtype));
-            if (o->residual) v = v_add(v, load8(o->residual, row * o->ldr + col, dtype));
-            store8(o->y, row * o->ldy + col, v, dtype);
-        }
+#if defined(__AVX512F__)
+        if (dtype == F32 || dtype == BF16)
+            FINISH_GROUPS(16, __m512, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_add_ps, load16, store16)
+#endif
+        FINISH_GROUPS(8, v8, v_load, v_mul, v_set1, v_add, load8, store8)
         for (; c < width; c++) {
             long col = col0 + c;
             if (col >= o->N) break;
@@ -270,19 +309,23 @@ static void wide_##NAME##_##R##_##P(const float* xt, long K, const void* wp, lon
  * (k, k+1) = (0, 1), (2, 3), ... in order (odd K: the last pair's second half is zero), the same for
  * every row count and tile, so a row's bits still never depend on the block; they are not the bits
  * of the FMA chain the other builds compute (bfloat16 on an AVX512-BF16 CPU is its own arithmetic).
- * The weights keep their panels: two k-rows of a panel (32 values, one cache line) are interleaved
- * in a register by one vpermw. Inputs come packed as pairs, [K/2][R] 32-bit words per row block. */
+ * With K even the weights are packed as pairs (sd_bf16_pairs: [panels][K/2][16][2], the two k-rows of a
+ * panel's cache line interleaved at load time); an odd K's panels keep the plain layout, interleaved in a
+ * register by one vpermw per line. (SmolLM2-135M's products alone, Zen 4, two threads, best of four
+ * processes each: 1 / 8 / 16 rows 9.16 / 9.95 / 13.27 ms with the vpermw, 8.52 / 9.68 / 13.11 as pairs.)
+ * Inputs come packed as pairs, [K/2][R] 32-bit words per row block. */
 #define SD_BF16_DOT 1
 typedef void (*pair_fn)(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out);
 static inline __m512i pair_order(void) {  /* lane c of the result: (row k col c, row k+1 col c) */
     return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
-/* One pair of k-rows (k, k + 1) into each of the tile's chains; LOAD(p): panel p's 32 weights. */
-#define PAIR_STEP(R, P, LOAD)                                                                      \
+/* One pair of k-rows (k, k + 1) into each of the tile's chains; LOAD(p): panel p's 32 weights, as pairs
+   already (PLAIN 0) or as two k-rows (PLAIN 1). */
+#define PAIR_STEP(R, P, LOAD, PLAIN)                                                               \
     {                                                                                              \
         __m512bh w[P];                                                                             \
-        for (int p = 0; p < P; p++) w[p] = (__m512bh)_mm512_permutexvar_epi16(order, LOAD);        \
+        for (int p = 0; p < P; p++) w[p] = (__m512bh)(PLAIN ? _mm512_permutexvar_epi16(order, LOAD) : LOAD); \
         for (int r = 0; r < R; r++) {                                                              \
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xt[(k / 2) * R + r]);                   \
             for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, w[p]);        \
@@ -290,8 +333,8 @@ static inline __m512i pair_order(void) {  /* lane c of the result: (row k col c,
     }
 /* Whole pairs with plain loads; an odd K's last input alone, its weight pair's second half zero by a
  * masked load (kept out of the loop: a masked load in it made 16-row products twice as slow). */
-#define PAIR_TILE(R, P, NAME)                                                                      \
-static void pair_##R##_##P(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out) { \
+#define PAIR_TILE_AS(R, P, FN, PLAIN)                                                              \
+static void FN(const uint32_t* xt, long K, const void* wp, long pstride, float* acc_out) {        \
     __m512 acc[R][P];                                                                              \
     const __m512i order = pair_order();                                                            \
     const uint16_t* w16 = (const uint16_t*)wp;                                                     \
@@ -300,13 +343,15 @@ static void pair_##R##_##P(const uint32_t* xt, long K, const void* wp, long pstr
     for (; k + 2 <= K; k += 2) {                                                                   \
         for (int p = 0; p < P; p++)                                                                \
             _mm_prefetch((const char*)(w16 + p * pstride + k * NR) + WIDE_PREFETCH, _MM_HINT_T1);  \
-        PAIR_STEP(R, P, _mm512_loadu_si512(w16 + p * pstride + k * NR))                           \
+        PAIR_STEP(R, P, _mm512_loadu_si512(w16 + p * pstride + k * NR), PLAIN)                    \
     }                                                                                              \
-    if (k < K) PAIR_STEP(R, P, _mm512_maskz_loadu_epi16(0xffffu, w16 + p * pstride + k * NR))     \
+    if (k < K) PAIR_STEP(R, P, _mm512_maskz_loadu_epi16(0xffffu, w16 + p * pstride + k * NR), PLAIN) \
     for (int r = 0; r < R; r++) for (int p = 0; p < P; p++)                                        \
         _mm512_storeu_ps(acc_out + r * 8 * NR + p * NR, acc[r][p]);                                \
 }
+#define PAIR_TILE(R, P, NAME) PAIR_TILE_AS(R, P, pair_##R##_##P, 0) PAIR_TILE_AS(R, P, plain_pair_##R##_##P, 1)
 #define PAIR_ENTRY(R, P, NAME) [R][P] = pair_##R##_##P,
+#define PLAIN_PAIR_ENTRY(R, P, NAME) [R][P] = plain_pair_##R##_##P,
 #endif
 /* Panels per tile for a block of R rows: R x P chains and P weights within the 32 registers, at
  * least 8 chains in flight (15 or 16 rows: one panel, one weight load per 15 or 16 FMAs). Tried
@@ -334,25 +379,26 @@ WIDE_TABLE(f16)
 #if defined(SD_BF16_DOT)
 WIDE_SHAPES(PAIR_TILE, pair)
 static const pair_fn pair_tiles[WIDE_ROWS + 1][9] = {WIDE_SHAPES(PAIR_ENTRY, pair)};
+static const pair_fn plain_pair_tiles[WIDE_ROWS + 1][9] = {WIDE_SHAPES(PLAIN_PAIR_ENTRY, pair)};
 #endif
 
 /* Rows in blocks of at most WIDE_ROWS, as even as can be: block b of `blocks` starts at row_start. */
 static inline long wide_blocks(long M) { return (M + WIDE_ROWS - 1) / WIDE_ROWS; }
 static inline long row_start(long M, long blocks, long b) { return M * b / blocks; }
 
-/* x [M, K] row-major -> xt, block by block, each block [K][R]. */
-static void pack_rows(const float* xf, long M, long K, float* xt) {
+/* x [M, K] (dtype, row stride ldx) widened -> xt, block by block, each block [K][R]; inputs [k0, k1) only. */
+static void pack_rows(const void* x, long ldx, int dtype, long M, long K, long k0, long k1, float* xt) {
     long blocks = wide_blocks(M);
     for (long b = 0; b < blocks; b++) {
         long m0 = row_start(M, blocks, b), R = row_start(M, blocks, b + 1) - m0;
         float* block = xt + m0 * K;
         for (long r = 0; r < R; r++)
-            for (long k = 0; k < K; k++) block[k * R + r] = xf[(m0 + r) * K + k];
+            for (long k = k0; k < k1; k++) block[k * R + r] = load1(x, (m0 + r) * ldx + k, dtype);
     }
 }
 
 #if defined(SD_BF16_DOT)
-/* x [M, K] bfloat16 (row stride ldx) -> pairs, block by block, each block [ceil(K/2)][R]: the word
+/* x [M, K] bfloat16 (row stride ldx) -> pairs, block by block, each block [ceil(K/2)][R], words [w0, w1) only: the word
  * of (k, k + 1) holds x[k]'s bits low, x[k + 1]'s high (0 past the end); a NaN quieted as to_bf16
  * quiets it, so the words are what rounding the widened row would give. */
 static inline uint32_t quiet_pair(uint32_t w) {
@@ -360,19 +406,19 @@ static inline uint32_t quiet_pair(uint32_t w) {
     if ((w & 0x7fff0000u) > 0x7f800000u) w |= 0x400000u;
     return w;
 }
-static void pack_pairs(const uint16_t* x, long ldx, long M, long K, uint32_t* xt) {
-    long blocks = wide_blocks(M), K2 = (K + 1) / 2, whole = K / 2;
+static void pack_pairs(const uint16_t* x, long ldx, long M, long K, long w0, long w1, uint32_t* xt) {
+    long blocks = wide_blocks(M), K2 = (K + 1) / 2, whole = K / 2, end = w1 < whole ? w1 : whole;
     for (long b = 0; b < blocks; b++) {
         long m0 = row_start(M, blocks, b), R = row_start(M, blocks, b + 1) - m0;
         uint32_t* block = xt + m0 * K2;
         for (long r = 0; r < R; r++) {
             const uint16_t* row = x + (m0 + r) * ldx;
-            for (long k = 0; k < whole; k++) {
+            for (long k = w0; k < end; k++) {
                 uint32_t w;
                 memcpy(&w, row + 2 * k, 4);
                 block[k * R + r] = quiet_pair(w);
             }
-            if (whole < K2) block[whole * R + r] = quiet_pair(row[K - 1]);
+            if (whole < K2 && w0 <= whole && whole < w1) block[whole * R + r] = quiet_pair(row[K - 1]);
         }
     }
 }
@@ -388,7 +434,7 @@ static int bf16_dot(int dtype) {
 
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
                           long p0, long p1, int layout) {
-    (void)layout; /* sd_linear refuses HALVES panels here */
+    /* layout: 0 or PAIRS (sd_linear refuses HALVES panels here) */
     float acc[WIDE_ROWS * 8 * NR];
     long pstride = K * NR, blocks = wide_blocks(M);
     size_t wsize = esize(o->dtype);
@@ -409,7 +455,8 @@ static void linear_panels(long M, long K, const void* wp, const struct linear_ou
                 if (P > end - q) P = (int)(end - q);
 #if defined(SD_BF16_DOT)
                 if (pairs)
-                    pair_tiles[R][P]((const uint32_t*)xt + m0 * xrow, K, (const char*)wp + q * pstride * wsize, pstride, acc);
+                    (layout == PAIRS ? pair_tiles : plain_pair_tiles)[R][P]((const uint32_t*)xt + m0 * xrow, K,
+                                                                   (const char*)wp + q * pstride * wsize, pstride, acc);
                 else
 #endif
                     tiles[R][P](xt + m0 * xrow, K, (const char*)wp + q * pstride * wsize, pstride, acc);
@@ -701,13 +748,59 @@ static void* scratch_get(int slot, size_t bytes, int* owned) {
 }
 static void scratch_put(void* p, int owned) { if (owned) free(p); }
 
+/* A product's input made ready by its parts together, when `shared`: each part does its share, then waits
+   for the others (the parts of a job run at once, one per thread). Done by the caller alone, it left the
+   other thread idle for 4-7% of a 16-row pass (Zen 4, two threads). */
+struct shared_input { int shared; atomic_int done; };
+#define SHARED_INPUT_ROWS 4 /* blocks of at least this many rows share it */
+static void shared_input_done(struct shared_input* in, int parts) {
+    atomic_fetch_add_explicit(&in->done, 1, memory_order_release);
+    while (atomic_load_explicit(&in->done, memory_order_acquire) < parts) cpu_relax();
+}
+
+/* The input of a float product: x's rows widened where a norm or the tiles need them (xf), their norms'
+   scales, and (AVX-512) the rows packed by row blocks for the tiles (xs). */
+struct linear_input {
+    const void* x; long ldx, M, K; int dtype; float norm_eps;
+    float *xf, *scale, *xs;
+    struct shared_input share;
+};
+/* Part `part` of `parts` of the input: its share of the rows widened and normed, and of the inputs packed. */
+static void prepare_input(struct linear_input* in, int part, int parts) {
+    long M = in->M, K = in->K, m0 = M * part / parts, m1 = M * (part + 1) / parts;
+#if defined(SD_WIDE)
+    int widened = in->norm_eps >= 0; /* the tiles read the packed rows */
+#else
+    int widened = 1;
+#endif
+    for (long m = m0; m < m1; m++) {
+        if (widened) widen((const char*)in->x + m * in->ldx * esize(in->dtype), K, in->dtype, in->xf + m * K);
+        if (in->norm_eps >= 0) in->scale[m] = inverse_rms(in->xf + m * K, K, in->norm_eps);
+    }
+#if defined(SD_WIDE)
+#if defined(SD_BF16_DOT)
+    long K2 = (K + 1) / 2;
+    if (bf16_dot(in->dtype)) {
+        pack_pairs((const uint16_t*)in->x, in->ldx, M, K, K2 * part / parts, K2 * (part + 1) / parts, (uint32_t*)in->xs);
+        return;
+    }
+#endif
+    pack_rows(in->x, in->ldx, in->dtype, M, K, K * part / parts, K * (part + 1) / parts, in->xs);
+#endif
+}
+
 struct linear_job {
     const void* wp; long M, K, N; const float* xs;  /* xs: x widened, in the layout linear_panels reads */
     struct linear_out out;
-    int layout;  /* 0, or HALVES (bfloat16 panels with interleaved halves) */
+    int layout;  /* 0, HALVES (bfloat16 panels with interleaved halves) or PAIRS */
+    struct linear_input* in;
 };
 static void linear_part(void* arg, int part, int parts) {
     struct linear_job* j = arg;
+    if (j->in->share.shared) {
+        prepare_input(j->in, part, parts);
+        shared_input_done(&j->in->share, parts);
+    }
     long panels = (j->N + NR - 1) / NR;
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     if (p0 < p1) linear_panels(j->M, j->K, j->wp, &j->out, j->xs, p0, p1, j->layout);
@@ -734,7 +827,7 @@ void sd_set_parallel_bytes(long bytes) { parallel_bytes = bytes; }
    two cores read faster than one; one otherwise. */
 static int product_parts(long fmas, long weight_bytes, long split_bytes, long panels) {
     int parts = fmas >= parallel_threshold || weight_bytes >= split_bytes ? active_threads : 1;
-    return parts > panels ? (int)panels : parts;
+    return parts > panels ? (int)panels : parts;  /* at most active_threads: run_parallel runs them all at once */
 }
 
 /* ---- AMX: bfloat16 products on the tile unit -------------------------------------------------
@@ -893,6 +986,14 @@ static int linear_amx(const void* x, long M, long K, long ldx, const void* wp, l
     return 0;
 }
 #endif
+/* 1 where bfloat16 weights with input size K are packed as pairs, [panels][K/2][16][2]: for the tile
+   unit, or for AVX512-BF16's pair products when K is even. */
+int sd_bf16_pairs(long K) {
+#if defined(SD_AMX)
+    if (amx_pairs(K, BF16)) return 1;
+#endif
+    return sd_bf16_dot() && K % 2 == 0;
+}
 /* 1 where a bfloat16 product with input size K runs on the tile unit (its weights packed as pairs). */
 int sd_amx_pairs(long K) {
 #if defined(SD_AMX)
@@ -905,9 +1006,10 @@ int sd_amx_pairs(long K) {
 
 int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, const void* bias,
               const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype, int layout) {
-    if (layout && (layout != HALVES || dtype != BF16 || sd_bf16_halves() < 0)) return 3;
+    if (layout && (dtype != BF16 || (layout == HALVES ? sd_bf16_halves() < 0 : layout != PAIRS || !sd_bf16_pairs(K))))
+        return 3;
 #if defined(SD_AMX)
-    if (amx_pairs(K, dtype)) return linear_amx(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
+    if (layout == PAIRS && amx_pairs(K, dtype)) return linear_amx(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype);
 #endif
 #if defined(SD_WIDE)
     size_t copies = 2;  /* row-major for the norm, then packed by row blocks */
@@ -917,31 +1019,13 @@ int sd_linear(const void* x, long M, long K, long ldx, const void* wp, long N, c
     int owned;
     float* xf = scratch_get(SCRATCH_PRODUCT, sizeof(float) * (size_t)(copies * M * K + M + 1), &owned);
     if (!xf) return 1;
-    float *scale = NULL, *xs = xf;
-    /* Pairs are packed from the bfloat16 rows themselves: widened rows are needed for a norm only. */
-#if defined(SD_BF16_DOT)
-    int widened = !bf16_dot(dtype) || norm_eps >= 0;
-#else
-    int widened = 1;
-#endif
-    if (widened)
-        for (long m = 0; m < M; m++) widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
-    if (norm_eps >= 0) {
-        scale = xf + copies * M * K;
-        for (long m = 0; m < M; m++) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
-    }
-#if defined(SD_WIDE)
-    xs = xf + M * K;
-#if defined(SD_BF16_DOT)
-    if (bf16_dot(dtype)) pack_pairs((const uint16_t*)x, ldx, M, K, (uint32_t*)xs);
-    else
-#endif
-        pack_rows(xf, M, K, xs);
-#endif
-    struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}, layout};
+    float *scale = norm_eps >= 0 ? xf + copies * M * K : NULL, *xs = copies == 2 ? xf + M * K : xf;
     long panels = (N + NR - 1) / NR;
-    run_parallel(linear_part, &job, product_parts(M * K * N, panels * NR * K * (long)esize(dtype), 2 * parallel_bytes,
-                                                  panels));
+    int parts = product_parts(M * K * N, panels * NR * K * (long)esize(dtype), 2 * parallel_bytes, panels);
+    struct linear_input in = {x, ldx, M, K, dtype, norm_eps, xf, scale, xs, {parts > 1 && M >= SHARED_INPUT_ROWS, 0}};
+    if (!in.share.shared) prepare_input(&in, 0, 1);
+    struct linear_job job = {wp, M, K, N, xs, {bias, residual, y, N, ldr, ldy, dtype, scale}, layout, &in};
+    run_parallel(linear_part, &job, parts);
     scratch_put(xf, owned);
     return 0;
 }
@@ -1287,7 +1371,32 @@ static const qtile_fn qtiles[5][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QE
 #endif
 const char* sd_qvector(void) { return SD_QVECTOR; }
 
-struct qlinear_job { const uint8_t* wp; int wtype; long M, N; struct qrows x; struct linear_out out; };
+/* The input of a quantized product: rows of x (dtype, row stride ldx) widened where needed (xf), normed
+   (scale) and quantized into a, s, A, sA (struct qrows); by the parts together when shared. */
+struct qinput {
+    const void* x; long ldx; int dtype; const float* gain; float norm_eps;
+    float* xf; float* scale; int8_t* a; float* s; int32_t* A; float* sA;
+    struct shared_input share;
+};
+struct qlinear_job { const uint8_t* wp; int wtype; long M, N; struct qrows x; struct linear_out out; struct qinput* in; };
+static void quantize_rows(struct qinput* in, long K, long m0, long m1) {
+    long nb = K / 32;
+    for (long m = m0; m < m1; m++) {
+        const float* row = (const float*)in->x + m * in->ldx;
+        if (in->dtype != F32) {
+            widen((const char*)in->x + m * in->ldx * esize(in->dtype), K, in->dtype, in->xf + m * K);
+            row = in->xf + m * K;
+        }
+        if (in->norm_eps >= 0) in->scale[m] = inverse_rms(row, K, in->norm_eps);
+        quantize_row(row, in->gain, K, in->a + m * K, in->s + m * nb, in->A + m * nb, in->sA + m * nb);
+    }
+}
+/* A part's share of the rows when the parts quantize them together, then its wait for the others. */
+static void quantize_share(const struct qlinear_job* j, int part, int parts) {
+    if (!j->in->share.shared) return;
+    quantize_rows(j->in, j->x.K, j->M * part / parts, j->M * (part + 1) / parts);
+    shared_input_done(&j->in->share, parts);
+}
 /* Rows [m0, m0 + M) x panels [p, end) by the vector tiles: row blocks of up to QROWS (the 4-bit types
    unpack into more registers, so at most QROWS_Q4 there). acc: room for QROWS x 2 NR floats. */
 static void qlinear_rows(const struct qlinear_job* j, long m0, long M, long p, long end, long pbytes, float* acc) {
@@ -1306,6 +1415,7 @@ static void qlinear_rows(const struct qlinear_job* j, long m0, long M, long p, l
 }
 static void qlinear_part(void* arg, int part, int parts) {
     struct qlinear_job* j = arg;
+    quantize_share(j, part, parts);
     long panels = (j->N + NR - 1) / NR, pbytes = (j->x.K / 32) * qblock_bytes(j->wtype);
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     float acc[QROWS * 2 * NR];
@@ -1401,6 +1511,7 @@ int sd_set_amx_q_rows(int wtype, int rows) {  /* returns the count it replaces *
 }
 static void amx_qlinear_part(void* arg, int part, int parts) {
     struct qlinear_job* j = arg;
+    quantize_share(j, part, parts);
     long panels = (j->N + NR - 1) / NR, pbytes = (j->x.K / 32) * qblock_bytes(j->wtype);
     long p0 = panels * part / parts, p1 = panels * (part + 1) / parts;
     long blocks = wide_blocks(j->M);
@@ -1446,21 +1557,18 @@ int sd_linear_q(const void* x, long M, long K, long ldx, const void* wq, int wty
     float* sA = s + M * nb;
     int32_t* A = (int32_t*)(sA + M * nb);
     int8_t* a = (int8_t*)(A + M * nb);
-    for (long m = 0; m < M; m++) {
-        widen((const char*)x + m * ldx * esize(dtype), K, dtype, xf + m * K);
-        if (norm_eps >= 0) scale[m] = inverse_rms(xf + m * K, K, norm_eps);
-        quantize_row(xf + m * K, gain, K, a + m * K, s + m * nb, A + m * nb, sA + m * nb);
-    }
-    struct qlinear_job job = {wq, wtype, M, N, {a, s, A, sA, K}, {bias, residual, y, N, ldr, ldy, dtype,
-                                                                 norm_eps >= 0 ? scale : NULL}};
     long panels = (N + NR - 1) / NR;
     /* int8 multiply-adds are about 4x cheaper than float32 FMAs */
+    int parts = product_parts(M * K * N / 4, panels * nb * qblock_bytes(wtype), parallel_bytes, panels);
+    struct qinput in = {x, ldx, dtype, gain, norm_eps, xf, scale, a, s, A, sA, {parts > 1 && M >= SHARED_INPUT_ROWS, 0}};
+    if (!in.share.shared) quantize_rows(&in, K, 0, M);
+    struct qlinear_job job = {wq, wtype, M, N, {a, s, A, sA, K}, {bias, residual, y, N, ldr, ldy, dtype,
+                                                                 norm_eps >= 0 ? scale : NULL}, &in};
     job_fn part = qlinear_part;
 #if defined(SD_AMX_Q)
     if (amx_usable()) part = amx_qlinear_part;  /* the same bits, the integer sums on the tile unit */
 #endif
-    run_parallel(part, &job, product_parts(M * K * N / 4, panels * nb * qblock_bytes(wtype), parallel_bytes,
-                                                   panels));
+    run_parallel(part, &job, parts);
     scratch_put(work, owned);
     return 0;
 }
@@ -1751,13 +1859,7 @@ static void silu_rows(const void* gate_up, long m0, long m1, long I, long ld_in,
         /* Eight at a time, the same operations as the scalar tail. */
         for (; i + 8 <= I; i += 8) {
             v8 g = load8(gate_up, m * ld_in + i, dtype), u = load8(gate_up, m * ld_in + I + i, dtype);
-            v8 silu = v_div(g, v_add(v_set1(1.0f), v_exp(v_mul(g, v_set1(-1.0f)))));
-            if (dtype != F32) { /* as the model would store it */
-                float lane[8];
-                v_store(lane, silu);
-                for (int l = 0; l < 8; l++) lane[l] = stored(lane[l], dtype);
-                silu = v_load(lane);
-            }
+            v8 silu = v_stored(v_div(g, v_add(v_set1(1.0f), v_exp(v_mul(g, v_set1(-1.0f))))), dtype);
             store8(out, m * ld_out + i, v_mul(silu, u), dtype);
         }
         for (; i < I; i++) {
@@ -2147,13 +2249,13 @@ struct sd_layer {
     long hidden, heads, kv, head_dim, inner;
     float eps, head_eps, scale;
     int dtype;
-    int qkv_type, o_type, gate_up_type, down_type;  /* 0: float panels in dtype; HALVES; else Q8_0, Q4_0, Q4_1 */
+    int qkv_type, o_type, gate_up_type, down_type;  /* 0: float panels in dtype; HALVES; PAIRS; else Q8_0, Q4_0, Q4_1 */
     const float *qkv_gain, *gate_up_gain;          /* the norms' weights where not folded (quantized) */
 };
 
 static int product(const void* x, long M, long K, long ldx, const void* wp, int wtype, const float* gain, long N,
                    const void* bias, const void* residual, long ldr, void* y, long ldy, float norm_eps, int dtype) {
-    if (wtype && wtype != HALVES)
+    if (wtype && wtype != HALVES && wtype != PAIRS)
         return sd_linear_q(x, M, K, ldx, wp, wtype, N, gain, bias, residual, ldr, y, ldy, norm_eps, dtype);
     return sd_linear(x, M, K, ldx, wp, N, bias, residual, ldr, y, ldy, norm_eps, dtype, wtype);
 }

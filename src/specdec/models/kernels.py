@@ -178,6 +178,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_greedy_accept": [p, i, i, i, i, i, p, i, p, p, p, n],
         "sd_argmax": [p, i, i, i, n, p],
         "sd_amx_pairs": [i],
+        "sd_bf16_pairs": [i],
         "sd_set_amx_q_rows": [n, n],
     }
     for name, args in signatures.items():
@@ -255,6 +256,13 @@ def peak_macs(integer: bool, seconds: float = 0.2, bfloat16: bool = False, tiles
         iters *= 2 if elapsed < seconds / 4 else 1 + int(seconds / max(elapsed, 1e-9))
 
 
+def bf16_pairs(k: int) -> bool:
+    """Whether bfloat16 weights with input size ``k`` are packed as pairs here, [panels, K/2, 16, 2]: where
+    they run on AMX tiles (amx_pairs), or on AVX512-BF16's pair dot products with ``k`` even (each load is
+    then a register of pairs as it is)."""
+    return available() is None and bool(library().sd_bf16_pairs(k))
+
+
 def amx_pairs(k: int) -> bool:
     """Whether bfloat16 products with input size ``k`` run on the CPU's AMX tiles here (AMX-BF16, the
     OS granting the tile state, k a multiple of 32, SPECDEC_AMX not 0): their weights are then packed
@@ -291,6 +299,7 @@ def torch_single_threaded(active: bool = True):
 # Tensors in, tensors out. Every tensor is on the CPU with its last dimension contiguous.
 
 HALVES = 6  # layout code of bfloat16 panels whose k-rows interleave their two halves (kernels.c)
+PAIRS = 7   # layout code of bfloat16 panels as pairs of k-rows, [panels, K/2, 16, 2]
 
 
 def bf16_halves() -> bool:
@@ -302,8 +311,9 @@ def bf16_halves() -> bool:
 @dataclass
 class Matrix:
     """A weight [K, N] (x @ w) packed once into panels of 16 columns: [ceil(N / 16), K, 16]; bfloat16
-    ones on AMX tiles as pairs [panels, K/2, 16, 2], on AVX2 with each k-row's halves interleaved
-    (``halves``: column j at 2j, column 8 + j at 2j + 1; the same products, bit for bit)."""
+    ones as pairs [panels, K/2, 16, 2] where bf16_pairs says so (AMX tiles, AVX512-BF16), on AVX2 with each
+    k-row's halves interleaved (``halves``: column j at 2j, column 8 + j at 2j + 1; the same products, bit
+    for bit)."""
 
     packed: torch.Tensor
     rows: int  # K, the input size
@@ -312,17 +322,19 @@ class Matrix:
 
     @property
     def layout(self) -> int:
-        """The code kernels.c reads the panels by: 0, or HALVES."""
-        return HALVES if self.halves else 0
+        """The code kernels.c reads the panels by: 0, HALVES or PAIRS."""
+        return PAIRS if self.packed.dim() == 4 else HALVES if self.halves else 0
 
     @classmethod
-    def pack(cls, w: torch.Tensor, halves: bool | None = None) -> "Matrix":
-        """``halves``: None takes this build's preference (bfloat16 only)."""
+    def pack(cls, w: torch.Tensor, halves: bool | None = None, pairs: bool | None = None) -> "Matrix":
+        """``halves``, ``pairs``: None takes this build's preference (bfloat16 only)."""
         k, n = w.shape
         panels = -(-n // PANEL)
         padded = w.new_zeros(k, panels * PANEL)
         padded[:, :n] = w
-        if w.dtype == torch.bfloat16 and amx_pairs(k):   # the tile unit's layout: [panels, K/2, 16, 2]
+        if pairs is None:
+            pairs = not halves and bf16_pairs(k)
+        if w.dtype == torch.bfloat16 and pairs:   # [panels, K/2, 16, 2]
             return cls(padded.view(k // 2, 2, panels, PANEL).permute(2, 0, 3, 1).contiguous(), k, n)
         if w.dtype == torch.bfloat16 and (bf16_halves() if halves is None else halves):
             return cls(padded.view(k, panels, 2, PANEL // 2).permute(1, 0, 3, 2).reshape(panels, k, PANEL), k, n, True)
@@ -459,7 +471,7 @@ def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
 def _check(status: int) -> None:
     if status == 3:
         raise ValueError("weights packed for another build of specdec's kernels (bfloat16 panels with "
-                         "interleaved halves, which this build does not read): pack them with this one")
+                         "interleaved halves or as pairs, which this build does not read): pack them with this one")
     if status:
         raise MemoryError("specdec's kernels could not allocate their work memory")
 
