@@ -102,8 +102,11 @@ def builds():
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_every_build_computes_the_same_bits(builds, qtype, monkeypatch):
-    w, x, residual, bias = product_case(qtype, 19, seed=3)
+@pytest.mark.parametrize("k", [160, 1056])  # 1056: 33 blocks
+def test_every_build_computes_the_same_bits(builds, qtype, k, monkeypatch):
+    w, x, residual, bias = product_case(qtype, 19, seed=3, k=k)
+    x[2] = 0                 # a row of zeros: every scale 0
+    x[3, 32:64] = 0          # one block of zeros
     for rows in (1, 6, 19):     # the few-row tiles and the many-row ones
         results = {}
         for name, library in builds.items():
