@@ -634,3 +634,18 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --output $OUT/mtp-code-zen4-s28.json
 specdec demo > $OUT/demo-zen4-s28.txt 2>&1
 python docs/measurements/dspark_serve_trace.py 1 > $OUT/dspark-serve-trace-1-zen4-s28.txt 2>&1
+
+# ---- twenty-ninth session: AMD EPYC family 25 model 17 (Zen 4: avx512f/bw/vl, avx512_bf16, avx512_vnni; no AMX) ----
+# Kernels (issue 23). OLD: the session's first kernels.c (e626029) with a stub of the function the new kernels.py
+# declares, built beside the current one; both builds on each model, both load orders.
+git show e626029:src/specdec/models/kernels.c > /tmp/old.c && echo 'int sd_bf16_pairs(long K) { return sd_amx_pairs(K); }' >> /tmp/old.c
+OLD=$(python -c "from pathlib import Path; from specdec.models import kernels; kernels.SOURCE = Path('/tmp/old.c'); print(kernels.build())")
+F=$HOME/.cache/specdec/models/smollm2-135m; Q41=$F-q4_1/model.gguf; Q8=$(ls $HOME/.cache/specdec/gguf/smollm2-q8_0-*/model.gguf | head -1)
+for th in 2 1; do for spec in "$F float32" "$F bfloat16" "$Q8 float32" "$Q41 float32"; do for o in old,new new,old; do
+  set -- $spec; ORDER=$o python docs/measurements/builds_ab.py $OLD $1 $2 $th 1,2,4,5,8,16,17,32,64 10
+done; done; done   # measured at 77aa482 (before sd_decoder_layers, which the old build lacks)  -> kernels-ab-zen4-s29.txt
+python docs/measurements/products_variants.py 2 bfloat16 1,8,16 P0.c   # P0.c: kernels.c with sd_bf16_pairs returning 0
+python docs/measurements/products_variants.py 2 bfloat16 1,8,16 kernels.c   # alternated, four rounds each
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 1 2 --output $OUT/cost-curves-zen4-s29.json
+python docs/measurements/layers_one_call.py $Q41 float32 2; python docs/measurements/layers_one_call.py $F bfloat16 2

@@ -84,6 +84,7 @@ class NativeCache(RaggedCache):
         # A draft model's head over its draft vocabulary only (the final norm folded in, as model.head):
         # logits [.., len(rows)] instead of [.., V]
         self.logit_head: llama.Matrix | None = None
+        self._layer_params = llama.layer_addresses(model) if self.layers_in_one_call else None
 
     @property
     def capacity(self) -> int:
@@ -147,18 +148,22 @@ class NativeCache(RaggedCache):
         masks = {window: None if every else self.visible(positions, past, None, window).contiguous()
                  for window in windows}
         x = F.embedding(tokens, model.embed)
-        for index, layer in enumerate(layers):
-            x = llama.decoder_layer(model, index, x, params, self.kv, masks[layer.window])
-        return x
+        return llama.decoder_layers(model, 0, len(layers), x, params, self.kv, masks, self._layer_params)
 
     @torch.inference_mode()
     def advance(self, block: Block, stop: int) -> Block:
         """Run layers [block.layer, stop) of ``block``, writing their cache entries."""
         model = self.model
         stop = min(stop, len(model.layers))
-        for index in range(block.layer, stop):
-            block.hidden = self._layer(index, block)
-            block.layer = index + 1
+        while block.layer < stop:
+            if self.layers_in_one_call:  # the run of layers up to the next tap, in one kernel call
+                end = min([tap for tap in block.hidden_layers if block.layer < tap < stop] + [stop])
+                block.hidden = llama.decoder_layers(model, block.layer, end, block.hidden, block.params, self.kv,
+                                                    block.masks, self._layer_params)
+            else:
+                end = block.layer + 1
+                block.hidden = self._layer(block.layer, block)
+            block.layer = end
             if block.layer in block.hidden_layers and block.layer < len(model.layers):
                 block.taps[block.layer] = block.states
         return block
@@ -228,8 +233,12 @@ class NativeCache(RaggedCache):
         """The first layer's input for a block of tokens [B, n]: [B * n, H] (drafter caches feed features too)."""
         return F.embedding(tokens.reshape(-1), self.model.embed)
 
+    # A drafter's cache that gives its layers inputs of its own overrides ``_layer`` and sets this False.
+    layers_in_one_call = True
+
     def _layer(self, index: int, block: Block) -> torch.Tensor:
-        """Layer ``index`` on ``block.hidden``: its output [B * n, H]."""
+        """Layer ``index`` on ``block.hidden``: its output [B * n, H] (caches whose layers are the model's
+        own run them ``decoder_layers`` at a time)."""
         visible = block.masks[self.model.layers[index].window]
         return llama.decoder_layer(self.model, index, block.hidden, block.params, self.kv, visible)
 
