@@ -649,3 +649,9 @@ python docs/measurements/products_variants.py 2 bfloat16 1,8,16 kernels.c   # al
 BIN=$(bash ../shared/scripts/build-llamacpp.sh)
 python docs/measurements/cost_curves.py --llama-bench $BIN --threads 1 2 --output $OUT/cost-curves-zen4-s29.json
 python docs/measurements/layers_one_call.py $Q41 float32 2; python docs/measurements/layers_one_call.py $F bfloat16 2
+for w in q4_1 q8_0 bf16 f32; do   # the files exported in the twenty-seventh block
+  case $w in q4_1) F=$Q41;; *) F=/tmp/smollm2-$w.gguf;; esac
+  LLAMA_CPP_LIB_PATH=$BIN python -m specdec.commands.llamacpp --target $F --gguf $F --tasks sharegpt --num-prompts 4 \
+    --max-new-tokens 96 -k 4 --threads 2 --json $OUT/llamacpp-$w-zen4-s29.json
+done
+specdec demo > $OUT/demo-zen4-s29.txt 2>&1; specdec demo > $OUT/demo-zen4-s29b.txt 2>&1
