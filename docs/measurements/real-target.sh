@@ -655,3 +655,4 @@ for w in q4_1 q8_0 bf16 f32; do   # the files exported in the twenty-seventh blo
     --max-new-tokens 96 -k 4 --threads 2 --json $OUT/llamacpp-$w-zen4-s29.json
 done
 specdec demo > $OUT/demo-zen4-s29.txt 2>&1; specdec demo > $OUT/demo-zen4-s29b.txt 2>&1
+python docs/measurements/engine_steps.py bfloat16
