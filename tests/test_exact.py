@@ -269,6 +269,37 @@ def test_bfloat16_panels_with_interleaved_halves_compute_the_plain_layouts_bits(
             monkeypatch.undo()
 
 
+def test_bfloat16_panels_as_pairs_compute_the_plain_layouts_bits(monkeypatch):
+    """Where bfloat16 products are AVX512-BF16 pair dot products, weights of an even input size are packed as
+    pairs (no permute per line): the same bits as the plain panels in the same build, every row count, one thread
+    or two; a build that does not read such panels refuses them in one line. (66 and 200 inputs: not multiples
+    of 32, so an AMX machine computes both on the vector units too.)"""
+    if kernels.available() is not None or not kernels.library().sd_bf16_dot():
+        pytest.skip("bfloat16 products are not pair dot products here")
+    generator = torch.Generator().manual_seed(8)
+    library, saved = kernels.library(), kernels.library().sd_parallel_threshold()
+    for K, N in ((66, 45), (200, 163)):
+        assert kernels.bf16_pairs(K) and not kernels.bf16_pairs(K + 1)
+        w = torch.randn(K, N, generator=generator).bfloat16()
+        pairs, plain = kernels.Matrix.pack(w), kernels.Matrix.pack(w, pairs=False)
+        assert pairs.layout == kernels.PAIRS and plain.layout == 0 and torch.equal(pairs.unpack(), w)
+        bias = torch.randn(N, generator=generator).bfloat16()
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            library.sd_set_parallel_threshold(1)
+            try:
+                for M in (1, 2, 5, 8, 16, 17, 33):
+                    x = torch.randn(M, K, generator=generator).bfloat16()
+                    assert torch.equal(kernels.linear(x, pairs, bias=bias, norm_eps=1e-5),
+                                       kernels.linear(x, plain, bias=bias, norm_eps=1e-5)), (K, M, threads)
+            finally:
+                kernels.set_threads(torch.get_num_threads())
+                library.sd_set_parallel_threshold(saved)
+    monkeypatch.setattr(kernels, "_library", kernels.load_library(kernels.build(native=False)))
+    with pytest.raises(ValueError, match="another build"):
+        kernels.linear(torch.randn(3, 200).bfloat16(), pairs)
+
+
 def test_bfloat16_products_on_amx_tiles_keep_each_rows_bits():
     """Where the CPU has AMX-BF16, bfloat16 products with K a multiple of 32 run on the tile unit
     (weights packed as pairs): every row of blocks of 1-17, 33 and 64 rows, one thread or two, with a
