@@ -69,6 +69,10 @@ class NativeCache(RaggedCache):
     block leave unwritten cache entries, which a ``truncate`` below it makes harmless.
     """
 
+    # Runs of the model's layers go to the kernels in one call; a drafter's cache that gives each layer inputs
+    # of its own (``_layer``) sets this False.
+    layers_in_one_call = True
+
     def __init__(self, backend: "NativeBackend", batch_size: int, capacity: int | None = None):
         model = backend.model
         super().__init__(batch_size, model.device, getattr(model.config, "max_position_embeddings", None))
@@ -84,7 +88,6 @@ class NativeCache(RaggedCache):
         # A draft model's head over its draft vocabulary only (the final norm folded in, as model.head):
         # logits [.., len(rows)] instead of [.., V]
         self.logit_head: llama.Matrix | None = None
-        self._layer_params = llama.layer_addresses(model) if self.layers_in_one_call else None
 
     @property
     def capacity(self) -> int:
@@ -148,7 +151,7 @@ class NativeCache(RaggedCache):
         masks = {window: None if every else self.visible(positions, past, None, window).contiguous()
                  for window in windows}
         x = F.embedding(tokens, model.embed)
-        return llama.decoder_layers(model, 0, len(layers), x, params, self.kv, masks, self._layer_params)
+        return llama.decoder_layers(model, 0, len(layers), x, params, self.kv, masks)
 
     @torch.inference_mode()
     def advance(self, block: Block, stop: int) -> Block:
@@ -159,7 +162,7 @@ class NativeCache(RaggedCache):
             if self.layers_in_one_call:  # the run of layers up to the next tap, in one kernel call
                 end = min([tap for tap in block.hidden_layers if block.layer < tap < stop] + [stop])
                 block.hidden = llama.decoder_layers(model, block.layer, end, block.hidden, block.params, self.kv,
-                                                    block.masks, self._layer_params)
+                                                    block.masks)
             else:
                 end = block.layer + 1
                 block.hidden = self._layer(block.layer, block)
@@ -232,9 +235,6 @@ class NativeCache(RaggedCache):
     def _inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """The first layer's input for a block of tokens [B, n]: [B * n, H] (drafter caches feed features too)."""
         return F.embedding(tokens.reshape(-1), self.model.embed)
-
-    # A drafter's cache that gives its layers inputs of its own overrides ``_layer`` and sets this False.
-    layers_in_one_call = True
 
     def _layer(self, index: int, block: Block) -> torch.Tensor:
         """Layer ``index`` on ``block.hidden``: its output [B * n, H] (caches whose layers are the model's

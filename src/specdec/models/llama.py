@@ -212,25 +212,21 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
 
 
 def decoder_layers(model: Llama, start: int, end: int, x: torch.Tensor, block: BlockParams, kv: torch.Tensor,
-                   masks: dict, layers) -> torch.Tensor:
+                   masks: dict) -> torch.Tensor:
     """Layers [start, end) on a block in one kernel call: what ``decoder_layer`` gives layer after layer, bit
-    for bit. masks: window -> visible [B, n, past + n] or None; layers: ``layer_addresses(model)``."""
+    for bit. masks: window -> visible [B, n, past + n] bool, or None where every token sees every column."""
     if end - start == 1:
         return decoder_layer(model, start, x, block, kv, masks[model.layers[start].window])
     out, spare = torch.empty_like(x), torch.empty_like(x)
-    visible = (ctypes.c_void_p * (end - start))(*[None if (mask := masks[layer.window]) is None else mask.data_ptr()
-                                                  for layer in model.layers[start:end]])
+    layers = model.layers[start:end]
+    params = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.params) for layer in layers])
+    visible = (ctypes.c_void_p * len(layers))(*[None if (mask := masks[layer.window]) is None else mask.data_ptr()
+                                                for layer in layers])
     size = kv.element_size()
     kernels._check(kernels.library().sd_decoder_layers(
-        ctypes.byref(layers, start * ctypes.sizeof(ctypes.c_void_p)), end - start, block.ref,
-        kv.data_ptr() + start * kv.stride(0) * size, kv.stride(0) * size, kv.stride(1) * size, visible,
-        x.data_ptr(), out.data_ptr(), spare.data_ptr()))
+        params, len(layers), block.ref, kv.data_ptr() + start * kv.stride(0) * size, kv.stride(0) * size,
+        kv.stride(1) * size, visible, x.data_ptr(), out.data_ptr(), spare.data_ptr()))
     return out
-
-
-def layer_addresses(model: Llama):
-    """The addresses of the model's layers' kernel parameters, for ``decoder_layers``."""
-    return (ctypes.c_void_p * len(model.layers))(*[ctypes.addressof(layer.params) for layer in model.layers])
 
 
 def decoder_layer_from(model: Llama, index: int, x_attn: torch.Tensor, attn_eps: float | None,
