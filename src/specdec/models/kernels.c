@@ -434,7 +434,7 @@ static int bf16_dot(int dtype) {
 
 static void linear_panels(long M, long K, const void* wp, const struct linear_out* o, const float* xt,
                           long p0, long p1, int layout) {
-    /* layout: 0 or PAIRS (sd_linear refuses HALVES panels here) */
+    (void)layout; /* 0 or PAIRS (sd_linear refuses HALVES panels here) */
     float acc[WIDE_ROWS * 8 * NR];
     long pstride = K * NR, blocks = wide_blocks(M);
     size_t wsize = esize(o->dtype);
