@@ -656,3 +656,14 @@ for w in q4_1 q8_0 bf16 f32; do   # the files exported in the twenty-seventh blo
 done
 specdec demo > $OUT/demo-zen4-s29.txt 2>&1; specdec demo > $OUT/demo-zen4-s29b.txt 2>&1
 python docs/measurements/engine_steps.py bfloat16
+# MTP continued once more on the same data, benched beside the committed module, its fastest row recorded and copied
+echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256,
+ "generated_len": 192, "optim": {"steps": 340, "lr": 1e-3, "warmup_steps": 20, "eval_every": 170}}' > mtp.json
+specdec train mtp --target smollm2-135m --config mtp.json --init-from $D/mtp --data-dir runs/data \
+  --out runs/s29/mtp/out --ckpt-dir runs/s29/mtp/ckpt --threads 2 --max-minutes 29
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/s29/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
+  --output $OUT/mtp-code-zen4-s29.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/mtp-code-zen4-s29.json'));
+record_fastest(r, 'mtp', 'runs/s29/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s29/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
