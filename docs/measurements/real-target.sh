@@ -667,3 +667,7 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/mtp-code-zen4-s29.json'));
 record_fastest(r, 'mtp', 'runs/s29/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s29/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
+# the zoo target's float32 speed: the old kernels.c with sd_bf16_pairs and sd_decoder_layers appended, both orders
+Z=src/specdec/zoo/data/target
+for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD3 $Z float32 2 1,2,4,5,8,16 30; done
+python docs/measurements/layers_one_call.py $Z float32 2
