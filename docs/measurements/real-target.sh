@@ -668,6 +668,12 @@ python -c "import json; from specdec.commands.bench import record_fastest; r = j
 record_fastest(r, 'mtp', 'runs/s29/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s29/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
 # the zoo target's float32 speed: the old kernels.c with sd_bf16_pairs and sd_decoder_layers appended, both orders
+python - <<'PY' > /tmp/old3.c
+from pathlib import Path
+s = Path("src/specdec/models/kernels.c").read_text(); i = s.index("int sd_decoder_layers("); j = s.index("\n}\n", i) + 3
+print(Path("/tmp/old.c").read_text() + "\n" + s[i:j])
+PY
+OLD3=$(python -c "from pathlib import Path; from specdec.models import kernels; kernels.SOURCE = Path('/tmp/old3.c'); print(kernels.build())")
 Z=src/specdec/zoo/data/target
 for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD3 $Z float32 2 1,2,4,5,8,16 30; done
 python docs/measurements/layers_one_call.py $Z float32 2
