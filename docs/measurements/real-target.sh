@@ -624,14 +624,21 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
   --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s28.json
 # MTP continued on the same data (--init-from, new), then benched beside the committed module; its fastest row
-# recorded (the rows of the new folder: bench labelled both folders "mtp #n" then) and copied into $D/mtp
-echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256,
- "generated_len": 192, "optim": {"steps": 300, "lr": 1e-3, "warmup_steps": 20, "eval_every": 150}}' > mtp.json
-specdec train mtp --target smollm2-135m --config mtp.json --init-from $D/mtp --data-dir runs/data \
-  --out runs/s28/mtp/out --ckpt-dir runs/s28/mtp/ckpt --threads 2 --max-minutes 28
-specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
-  -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/s28/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
-  --output $OUT/mtp-code-zen4-s28.json
+# recorded (the rows of the new folder: bench labelled both folders "mtp #n" then) and copied into $D/mtp.
+# mtp_round SESSION STEPS MINUTES: one such round (the twenty-ninth session ran it again)
+mtp_round() {
+  echo "{\"source\": \"sharegpt-answers\", \"train_sequences\": 2048, \"code_requests\": 1024, \"prefix_len\": 256,
+   \"generated_len\": 192, \"optim\": {\"steps\": $2, \"lr\": 1e-3, \"warmup_steps\": 20, \"eval_every\": $(($2 / 2))}}" > mtp.json
+  specdec train mtp --target smollm2-135m --config mtp.json --init-from $D/mtp --data-dir runs/data \
+    --out runs/$1/mtp/out --ckpt-dir runs/$1/mtp/ckpt --threads 2 --max-minutes $3
+  specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+    -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/$1/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
+    --output $OUT/mtp-code-zen4-$1.json
+  python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/mtp-code-zen4-$1.json'));
+record_fastest(r, 'mtp', 'runs/$1/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+  cp runs/$1/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
+}
+mtp_round s28 300 28
 specdec demo > $OUT/demo-zen4-s28.txt 2>&1
 python docs/measurements/dspark_serve_trace.py 1 > $OUT/dspark-serve-trace-1-zen4-s28.txt 2>&1
 
@@ -656,17 +663,8 @@ for w in q4_1 q8_0 bf16 f32; do   # the files exported in the twenty-seventh blo
 done
 specdec demo > $OUT/demo-zen4-s29.txt 2>&1; specdec demo > $OUT/demo-zen4-s29b.txt 2>&1
 python docs/measurements/engine_steps.py bfloat16
-# MTP continued once more on the same data, benched beside the committed module, its fastest row recorded and copied
-echo '{"source": "sharegpt-answers", "train_sequences": 2048, "code_requests": 1024, "prefix_len": 256,
- "generated_len": 192, "optim": {"steps": 340, "lr": 1e-3, "warmup_steps": 20, "eval_every": 170}}' > mtp.json
-specdec train mtp --target smollm2-135m --config mtp.json --init-from $D/mtp --data-dir runs/data \
-  --out runs/s29/mtp/out --ckpt-dir runs/s29/mtp/ckpt --threads 2 --max-minutes 29
-specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
-  -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/s29/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
-  --output $OUT/mtp-code-zen4-s29.json
-python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/mtp-code-zen4-s29.json'));
-record_fastest(r, 'mtp', 'runs/s29/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
-cp runs/s29/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
+# MTP continued once more on the same data (the twenty-eighth block's mtp_round)
+mtp_round s29 340 29
 # the zoo target's float32 speed: the old kernels.c with sd_bf16_pairs and sd_decoder_layers appended, both orders
 python - <<'PY' > /tmp/old3.c
 from pathlib import Path
