@@ -283,6 +283,38 @@ def test_runtime_drafts_what_the_network_drafts(dtype, model_dirs, dspark_dirs):
     assert first.confidence[0].tolist() == pytest.approx(confidences, abs=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocabulary", [False, True], ids=["whole", "draft-vocab"])
+def test_the_greedy_chain_in_one_kernel_call_drafts_the_loops_bits(dtype, vocabulary, model_dirs, dspark_dirs):
+    """``greedy_chain`` (the Markov term and the argmax of every slot in one kernel call) gives the drafts
+    and codes of the slot-by-slot loop bit for bit, for several rows at once and with a draft vocabulary;
+    a gated head, which the kernel does not compute, falls back to the loop."""
+    from specdec.drafters.base import draft_from
+
+    target = specdec.load_target(model_dirs["llama"], dtype=dtype, backend="native")
+    runtime = DSpark(dspark_dirs["llama"]).runtime(target)
+    vocab = target.vocab_size
+    if vocabulary:
+        runtime = dspark.DSparkRuntime(dspark.load_net(dspark_dirs["llama"]), target.input_embeddings(), target,
+                                       dtype, rows=torch.arange(0, vocab, 3))
+    generator = torch.Generator().manual_seed(3)
+    width = vocab if runtime.rows is None else runtime.rows.numel()
+    head = (torch.randn(5, 6, width, generator=generator) * 2).to(dtype)
+    hidden = torch.randn(5, 6, int(target.config.hidden_size), generator=generator).to(dtype)
+    anchors = torch.randint(0, vocab, (5,), generator=generator)
+    with torch.inference_mode():
+        drafts, codes = runtime.greedy_chain(head, anchors)
+        previous, expected, expected_codes = anchors, [], []
+        for j in range(head.shape[1]):
+            logits, code = runtime.markov(head[:, j], hidden[:, j], previous)
+            previous, _ = draft_from(logits, runtime.rows, vocab, SamplingConfig(), None)
+            expected.append(previous)
+            expected_codes.append(code)
+    assert torch.equal(drafts, torch.stack(expected, 1)) and torch.equal(codes, torch.stack(expected_codes, 1))
+    assert len(set(drafts.flatten().tolist())) > 5  # the Markov term and the head's logits both matter
+    assert DSpark(dspark_dirs["gated"]).runtime(target).greedy_chain(head, anchors) is None
+
+
 def test_confidence_reads_only_the_drafts_before_each_slot(model_dirs, dspark_dirs):
     """Changing the Markov head's row of a token changes the drafts after it and the confidence of the
     slot after it, never the confidence of the slot that drafted it."""

@@ -53,20 +53,31 @@ class DSparkSession(DFlashSession):
         out = self.enter(anchors, drafts)                                   # [B, drafts, H]: every slot drafts
         head = runtime.logits(out)                                          # [B, drafts, V]
         hidden = runtime.normed(out)
-        previous, tokens, dists, codes = anchors, [], [], []
         with torch.inference_mode():
-            for j in range(drafts):
-                logits, code = runtime.markov(head[:, j], hidden[:, j], previous)
-                previous, probs = draft_from(logits, runtime.rows, self.vocab, self.sampling, self.generator)
-                if probs is not None:
-                    dists.append(probs)
-                tokens.append(previous)
-                codes.append(code)
+            chain = runtime.greedy_chain(head, anchors) if self.sampling.greedy else None
+            if chain is not None:  # the loop below in one kernel call, the same drafts
+                tokens, codes = chain
+                dists = None
+            else:
+                tokens, codes, dists = self._left_to_right(head, hidden, anchors)
             # every slot's confidence at once: slot j's reads its output and the draft before it only
-            confidence = runtime.confidences(hidden, torch.stack(codes, 1)) if runtime.confidence is not None else None
+            confidence = runtime.confidences(hidden, codes) if runtime.confidence is not None else None
         lengths = torch.full((anchors.shape[0],), drafts, dtype=torch.long, device=anchors.device)
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(dists, 1) if dists else None,
-                        confidence=confidence)
+        return Proposal(tokens, lengths, dists, confidence=confidence)
+
+    def _left_to_right(self, head: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor):
+        """(drafts [B, S], codes [B, S, r], distributions [B, S, V] or None when greedy): slot after slot, each
+        with the Markov term of the draft before it, argmaxed or sampled."""
+        runtime = self.runtime
+        previous, tokens, dists, codes = anchors, [], [], []
+        for j in range(head.shape[1]):
+            logits, code = runtime.markov(head[:, j], hidden[:, j], previous)
+            previous, probs = draft_from(logits, runtime.rows, self.vocab, self.sampling, self.generator)
+            if probs is not None:
+                dists.append(probs)
+            tokens.append(previous)
+            codes.append(code)
+        return torch.stack(tokens, 1), torch.stack(codes, 1), torch.stack(dists, 1) if dists else None
 
     def _propose_tree(self, seqs: Sequences) -> Proposal:
         runtime = self.runtime

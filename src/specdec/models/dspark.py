@@ -203,6 +203,14 @@ class DSparkRuntime(dflash.DFlashRuntime):
             term = term * torch.sigmoid(self.gate(torch.cat([hidden.float(), code], -1)))
         return logits.float() + term, code
 
+    def greedy_chain(self, head: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(greedy drafts [B, S] in target ids, codes [B, S, r]) of the head's logits [B, S, V] in one kernel
+        call: what ``markov`` and the argmax give slot after slot, the same bits. None where the kernels do not
+        run it or the head is gated (the caller then loops)."""
+        if self.gate is not None:
+            return None
+        return kernels.markov_greedy(head, self.markov_w1, self.markov_w2, self.rows, anchors)
+
     def confidences(self, hidden: torch.Tensor, codes: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Calibrated confidences [B, S] of S consecutive slots from slot ``first``: normed outputs
         [B, S, H] and the codes of the tokens before each slot [B, S, r], in one product."""

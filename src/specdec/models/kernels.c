@@ -2417,3 +2417,38 @@ void sd_greedy_accept(const void* logits, long B, long W, long V, long ld_b, lon
         next[b] = token;
     }
 }
+
+/* ---- DSpark's greedy chain: the Markov term of each previous draft, then the first largest ---- */
+/* head [B, S, V] in dtype (row b at b * ld_b, slot j at j * ld_s elements): the head's logits of S slots;
+ * w1 [vocab, r] float32: the Markov head's codes; w2p: its r -> V product packed for sd_linear (layout);
+ * ids [V] (NULL: the identity): the target id of each head row; anchors [B]: each row's pending token.
+ * Slot j of row b: code = w1[previous] (rounded to dtype), term = code . w2 (sd_linear, all B rows in one
+ * product, whose rows keep their bits whatever the block), the draft = the first largest of
+ * float(head[b, j]) + float(term[b]) (argmax_row's rule), its target id the next slot's previous.
+ * tokens [B, S] int64 (target ids), codes [B, S, r] float32 (the unrounded codes, as the confidence
+ * head reads them). Work: x [B, r] and term [B, V] in dtype, sum [V] float32. Returns sd_linear's status. */
+int sd_markov_greedy(const void* head, long B, long S, long V, long ld_b, long ld_s, const float* w1, long r,
+                     const void* w2p, int layout, const int64_t* ids, const int64_t* anchors, int dtype,
+                     int64_t* tokens, float* codes, void* x, void* term, float* sum) {
+    if (dtype != F32 && dtype != BF16) return 2;
+    long size = (long)esize(dtype);
+    for (long j = 0; j < S; j++) {
+        for (long b = 0; b < B; b++) {
+            int64_t previous = j ? tokens[b * S + j - 1] : anchors[b];
+            const float* code = w1 + previous * r;
+            memcpy(codes + (b * S + j) * r, code, sizeof(float) * (size_t)r);
+            if (dtype == F32) memcpy((float*)x + b * r, code, sizeof(float) * (size_t)r);
+            else for (long i = 0; i < r; i++) ((uint16_t*)x)[b * r + i] = to_bf16(code[i]);
+        }
+        int status = sd_linear(x, B, r, r, w2p, V, NULL, NULL, 0, term, V, -1.0f, dtype, layout);
+        if (status) return status;
+        for (long b = 0; b < B; b++) {
+            const char* logits = (const char*)head + (b * ld_b + j * ld_s) * size;
+            const char* extra = (const char*)term + b * V * size;
+            for (long v = 0; v < V; v++) sum[v] = load1(logits, v, dtype) + load1(extra, v, dtype);
+            long slot = argmax_row(sum, V, F32);
+            tokens[b * S + j] = ids ? ids[slot] : slot;
+        }
+    }
+    return 0;
+}

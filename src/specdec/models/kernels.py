@@ -181,8 +181,11 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_amx_pairs": [i],
         "sd_bf16_pairs": [i],
         "sd_set_amx_q_rows": [n, n],
+        "sd_markov_greedy": [p, i, i, i, i, i, p, i, p, n, p, p, n, p, p, p, p, p],
     }
     for name, args in signatures.items():
+        if name == "sd_markov_greedy" and not hasattr(lib, name):
+            continue  # an older build, loaded beside this one to compare their speed (builds_ab.py)
         getattr(lib, name).argtypes = args
     lib.sd_vector.restype = ctypes.c_char_p
     lib.sd_qvector.restype = ctypes.c_char_p
@@ -611,3 +614,28 @@ def greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Ten
                                drafts.data_ptr(), drafts.stride(0) if drafts.dim() == 2 else 0, lengths.data_ptr(),
                                accepted.data_ptr(), following.data_ptr(), DTYPES[logits.dtype])
     return accepted, following
+
+
+def markov_greedy(head: torch.Tensor, w1: torch.Tensor, w2: Matrix, ids: torch.Tensor | None,
+                  anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DSpark's greedy chain in one call: head [B, S, V] float32 or bfloat16 (the head's logits of S slots), w1
+    [vocab, r] float32 (the Markov head's codes), w2 the packed r -> V product, ids [V] (the target id of each
+    head row; None: the same), anchors [B] -> (drafts [B, S] in target ids, codes [B, S, r]): slot by slot
+    what ``argmax(head[:, j].float() + linear(w1[previous].to(dtype), w2).float())`` gives, the same bits.
+    None where the kernels do not run it (the caller then loops in PyTorch)."""
+    if (head.dtype not in (torch.float32, torch.bfloat16) or head.device.type != "cpu" or head.stride(-1) != 1
+            or w1.dtype != torch.float32 or not w1.is_contiguous() or isinstance(w2, QMatrix) or available() is not None):
+        return None
+    batch, slots, vocab = head.shape
+    rank = w1.shape[1]
+    ids = None if ids is None else ids.to(torch.int64).contiguous()
+    anchors = anchors.to(torch.int64).contiguous()
+    tokens = torch.empty(batch, slots, dtype=torch.int64)
+    codes = torch.empty(batch, slots, rank, dtype=torch.float32)
+    x, term = head.new_empty(batch, rank), head.new_empty(batch, vocab)
+    total = torch.empty(vocab, dtype=torch.float32)
+    _check(library().sd_markov_greedy(head.data_ptr(), batch, slots, vocab, head.stride(0), head.stride(1),
+                                      w1.data_ptr(), rank, w2.packed.data_ptr(), w2.layout, _ptr(ids),
+                                      anchors.data_ptr(), DTYPES[head.dtype], tokens.data_ptr(), codes.data_ptr(),
+                                      x.data_ptr(), term.data_ptr(), total.data_ptr()))
+    return tokens, codes
