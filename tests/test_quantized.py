@@ -9,6 +9,7 @@ bit for bit is that nothing but the row itself decides its result.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -223,6 +224,43 @@ def test_feature_drafters_beside_a_quantized_target_run_quantized_and_exact(quan
         core = drafter.runtime(target).core
         assert isinstance(core.layers[0].gate_up, QMatrix) and isinstance(core.head, QMatrix)
     assert drafters[0].runtime(target).core.head.packed is target.backend.model.head.packed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafter_networks_quantized_at_load_beside_a_float_target_stay_exact(dtype, model_dirs, tmp_path, capsys):
+    """quantize=... (--draft-quantize) block-quantizes EAGLE-1/3, DFlash and DSpark networks beside a float
+    target: their matrices run quantized, speculation equals plain decoding, bench labels the rows with
+    it, and a type the kernels do not run is one line."""
+    from test_dflash import random_dflash
+    from test_dspark import random_dspark
+    from test_feature_drafters import random_drafters
+
+    from specdec.commands.cli import main
+    from specdec.drafters import DFlash, DSpark, Eagle
+    from specdec.errors import InvalidArgumentError
+
+    target = load_target(model_dirs["llama"], backend="native", dtype=dtype)
+    dirs = random_drafters(target, tmp_path)
+    dirs["dflash"] = random_dflash(target, tmp_path / "dflash")
+    dirs["dspark"] = random_dspark(target, tmp_path / "dspark")
+    drafters = [Eagle(dirs["eagle"], version=1, quantize="q8_0"), Eagle(dirs["eagle3"], version=3, quantize="Q4_1"),
+                DFlash(dirs["dflash"], quantize="q8_0"), DSpark(dirs["dspark"], quantize="q4_0")]
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61]]
+    plain = generate(target, prompts, max_new_tokens=20).token_ids
+    for drafter, qtype in zip(drafters, ("Q8_0", "Q4_1", "Q8_0", "Q4_0")):
+        assert generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20).token_ids == plain
+        core = drafter.runtime(target).core
+        assert isinstance(core.layers[0].gate_up, QMatrix) and core.layers[0].gate_up.qtype == qtype
+    assert not isinstance(Eagle(dirs["eagle3"], version=3).runtime(target).core.layers[0].gate_up, QMatrix)
+    for make in (lambda: Eagle(dirs["eagle3"], quantize="q5_k"), lambda: DFlash(dirs["dflash"], quantize="int4")):
+        with pytest.raises(InvalidArgumentError, match="q8_0, q4_0, q4_1") as error:
+            make()
+        assert "\n" not in str(error.value)
+    assert main(["bench", "--target", str(model_dirs["llama"]), "--tasks", "code-completion", "--num-prompts", "1",
+                 "--max-new-tokens", "8", "--no-transformers", "--drafters", f"dflash={dirs['dflash']}",
+                 "--draft-quantize", "q8_0", "--dtype", dtype]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"dflash k=\d+ q8_0", table) and "all greedy outputs identical" in table
 
 
 @pytest.mark.parametrize("quantize", ["q8_0", "q4_0", "q4_1"])

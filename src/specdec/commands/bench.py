@@ -818,7 +818,6 @@ def run_bench_command(args) -> int:
     from specdec.backends.target import load_target
 
     check_output_path(args.output)
-    check_draft_quantize(args, "draft-model")
 
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
@@ -831,6 +830,7 @@ def run_bench_command(args) -> int:
     if args.prompts and args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     requested = [parse_drafter(text, args.target) for text in args.drafters]
+    check_draft_quantize(args, [name for name, _ in requested] + ["draft-model"])
     from specdec.drafters.registry import REGISTRY
     from specdec.drafters.mtp import is_modules_folder
 
@@ -873,8 +873,8 @@ def run_bench_command(args) -> int:
         write_atomic(args.output, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     if args.record and result["outputs_identical"]:  # greedy runs only: a sampled run compares nothing
-        # A draft model quantized at load is not what its folder holds: nothing is recorded there for it.
-        entries = requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft and not args.draft_quantize else [])
+        # A drafter quantized at load is not what its folder holds: nothing is recorded there for it.
+        entries = [] if args.draft_quantize else requested + ([(DRAFT_MODEL, str(args.draft))] if args.draft else [])
         measured_on = (f"{' + '.join(args.tasks or [args.prompts])}, {result['prompts']} prompts, "
                        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, {args.dtype}")
         for name, folder in entries:

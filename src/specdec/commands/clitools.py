@@ -51,7 +51,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, several: bool = False) 
     parser.add_argument("--draft-quantize", "--speculative-draft-model-quantization", dest="draft_quantize",
                         choices=("q8_0", "q4_0", "q4_1"), default=None,
                         help="draft-model: block-quantize the draft model at load (native backend); with --draft "
-                             "naming the target itself, the target's quantized copy drafts for it")
+                             "naming the target itself, the target's quantized copy drafts for it. eagle, eagle3, "
+                             "dflash, dspark: their networks' matrices, run with int8 activations (fewer bytes "
+                             "a draft; the output is unchanged)")
     if several:
         parser.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
                             help="forward pass(es) to measure: native (specdec's own, Llama family), hf "
@@ -140,10 +142,17 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
-def check_draft_quantize(args, drafter: str) -> None:
-    """--draft-quantize quantizes a draft model: without one to quantize it would be ignored, so refuse."""
-    if getattr(args, "draft_quantize", None) and (drafter != "draft-model" or not getattr(args, "draft", None)):
-        raise InvalidArgumentError("--draft-quantize quantizes a draft model: give --drafter draft-model and --draft DIR")
+QUANTIZED_NETWORKS = ("eagle", "eagle3", "dflash", "dspark")  # drafter networks --draft-quantize quantizes
+
+
+def check_draft_quantize(args, drafters: str | list[str]) -> None:
+    """--draft-quantize quantizes a draft model (--draft DIR) or a drafter network (EAGLE-1/3, DFlash, DSpark):
+    with neither among ``drafters`` it would be ignored, so refuse."""
+    names = [drafters] if isinstance(drafters, str) else list(drafters)
+    draft_model = "draft-model" in names and getattr(args, "draft", None)
+    if getattr(args, "draft_quantize", None) and not draft_model and not set(names) & set(QUANTIZED_NETWORKS):
+        raise InvalidArgumentError("--draft-quantize quantizes a draft model (--drafter draft-model and --draft DIR) "
+                                   f"or a drafter network ({', '.join(QUANTIZED_NETWORKS)})")
 
 
 def make_drafter(name: str, args, backend: str | None = None, folder=None, **overrides):

@@ -38,10 +38,14 @@ class DFlash:
     anchor_drafts = False  # the anchor slot predicts nothing: a block of B gives B - 1 drafts
     supports_trees = False  # its slots ignore the drafts before them: branches would all score alike
 
-    def __init__(self, path: str | os.PathLike, block_size: int | None = None, draft_vocab: bool = True):
+    def __init__(self, path: str | os.PathLike, block_size: int | None = None, draft_vocab: bool = True,
+                 quantize: str | None = None):
         """``draft_vocab``: draft from the folder's draft_vocab.json (``specdec train draft-vocab``) when it has
-        one, computing only those rows of the target's head."""
+        one, computing only those rows of the target's head. ``quantize`` (q8_0, q4_0, q4_1): the network's
+        matrices block-quantized at load, run with int8 activations (fewer bytes a step; the target's
+        output is unchanged); None: the target's dtype, or Q8_0 beside a quantized target."""
         self.path = str(path)
+        self.quantize = llama.check_drafter_quantize(quantize, f"{self.label} drafter")
         self.net = self.load_net(path)
         self.config = self.net.config
         self.vocabulary = read_draft_vocabulary(self.path, self.config.vocab_size) if draft_vocab else None
@@ -59,6 +63,11 @@ class DFlash:
         self.features = FeatureSpec(hidden_layers=self.config.hidden_layers(), embedding=True, head=True)
         self._runtimes: dict = {}
 
+    @property
+    def setting(self) -> str:
+        """What bench's labels show of this drafter's own settings: its weights' quantization."""
+        return self.quantize or ""
+
     def check_target(self, target) -> None:
         check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
                      f"the {self.label} drafter in {self.path}")
@@ -71,8 +80,8 @@ class DFlash:
         if key not in self._runtimes:
             require_kernels(target, f"{self.label} drafters")
             self._runtimes = {key: self.runtime_class(self.net, target.input_embeddings(), target,
-                                                      target.backend.dtype, llama.drafter_qtype(target),
-                                                      self.vocabulary)}
+                                                      target.backend.dtype,
+                                                      llama.drafter_qtype(target, self.quantize), self.vocabulary)}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> "DFlashSession":

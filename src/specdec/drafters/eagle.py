@@ -31,14 +31,17 @@ class Eagle:
     """
 
     def __init__(self, path: str | os.PathLike, version: int | None = None, draft_vocab: bool = True,
-                 p_min: float | None = None):
+                 p_min: float | None = None, quantize: str | None = None):
         """``draft_vocab``: EAGLE-1 drafts from the folder's draft vocabulary (``specdec train draft-vocab``) when
         it has one; False: from the target's whole head. ``p_min`` (llama.cpp's ``--draft-p-min``): a row's
         chain stops before its first draft whose most likely token the drafter gives less than this
         probability (``drafters.base.ConfidenceStop``); None: the folder's recorded one (``bench --record``),
-        else none; 0: none."""
+        else none; 0: none. ``quantize`` (q8_0, q4_0, q4_1): the network's matrices block-quantized at load
+        and run with int8 activations (fewer bytes a draft; the target's output is unchanged); None: the
+        target's dtype, or Q8_0 beside a quantized target."""
         self.path = str(path)
         self.p_min = check_p_min(p_min, self.path)
+        self.quantize = llama.check_drafter_quantize(quantize, "EAGLE drafter")
         self.net = eagle.load_net(path, expect_version=version)
         self.config = self.net.config
         self.vocabulary = None
@@ -57,7 +60,7 @@ class Eagle:
     @property
     def setting(self) -> str:
         """What bench's labels show of this drafter's own settings."""
-        return cut_label(self.p_min)
+        return " ".join(filter(None, (cut_label(self.p_min), self.quantize)))
 
     def check_target(self, target) -> None:
         check_target(self, self.config.target, self.config.hidden_size, self.config.vocab_size, target,
@@ -69,7 +72,7 @@ class Eagle:
         if key not in self._runtimes:
             require_kernels(target, "EAGLE drafters")
             self._runtimes = {key: eagle.EagleRuntime(self.net, target.input_embeddings(), target, dtype,
-                                                      llama.drafter_qtype(target), self.vocabulary)}
+                                                      llama.drafter_qtype(target, self.quantize), self.vocabulary)}
         return self._runtimes[key]
 
     def start(self, context: DecodeContext, seqs: Sequences) -> DeferredObserve:

@@ -67,18 +67,19 @@ def _medusa(folder, options):
 def _eagle(version):
     def build(folder, options):
         from specdec.drafters.eagle import Eagle
-        return Eagle(folder, version=version, p_min=getattr(options, "draft_p_min", None))
+        return Eagle(folder, version=version, p_min=getattr(options, "draft_p_min", None),
+                     quantize=getattr(options, "draft_quantize", None))
     return build
 
 
 def _dflash(folder, options):
     from specdec.drafters.dflash import DFlash
-    return DFlash(folder, block_size=getattr(options, "block_size", None))
+    return DFlash(folder, block_size=getattr(options, "block_size", None), quantize=getattr(options, "draft_quantize", None))
 
 
 def _dspark(folder, options):
     from specdec.drafters.dspark import DSpark
-    return DSpark(folder, block_size=getattr(options, "block_size", None))
+    return DSpark(folder, block_size=getattr(options, "block_size", None), quantize=getattr(options, "draft_quantize", None))
 
 
 def _early_exit(folder, options):

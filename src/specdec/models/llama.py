@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from specdec.backends.cache import FULL, Window
-from specdec.errors import ModelLoadError, UnsupportedModelError
+from specdec.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from specdec.models import kernels
 from specdec.models.kernels import Matrix, QMatrix
 
@@ -632,10 +632,23 @@ def head_matrix(target, dtype: torch.dtype, norm: torch.Tensor | None = None, qt
     return matrix(target.output_head().float(), dtype, norm, qtype)
 
 
-def drafter_qtype(target) -> str | None:
-    """The weight format of drafter networks beside ``target``: Q8_0 when its own weights are quantized
-    (the drafter's rounding never changes the output, only its cost), else None (the target's dtype)."""
+def drafter_qtype(target, quantize: str | None = None) -> str | None:
+    """The weight format of drafter networks beside ``target``: ``quantize`` when one is asked for (q8_0,
+    q4_0, q4_1: ``--draft-quantize``), else Q8_0 when the target's own weights are quantized, else None
+    (the target's dtype). The drafter's rounding never changes the output, only its cost and acceptance."""
+    if quantize is not None:
+        return quantize.upper()
     return "Q8_0" if getattr(target.backend, "quantized_types", ()) else None
+
+
+DRAFTER_QTYPES = ("q8_0", "q4_0", "q4_1")
+
+
+def check_drafter_quantize(quantize: str | None, label: str) -> str | None:
+    """``quantize`` as a drafter network takes it (None or one of DRAFTER_QTYPES, any case), else one line."""
+    if quantize is None or quantize.lower() in DRAFTER_QTYPES:
+        return None if quantize is None else quantize.lower()
+    raise InvalidArgumentError(f"{label} weights can be quantized to {', '.join(DRAFTER_QTYPES)}, got {quantize!r}")
 
 
 def pack_layer(get, at: str, heads: int, kv: int, dim: int, dtype: torch.dtype, window: Window = FULL,
