@@ -675,3 +675,15 @@ OLD3=$(python -c "from pathlib import Path; from specdec.models import kernels; 
 Z=src/specdec/zoo/data/target
 for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD3 $Z float32 2 1,2,4,5,8,16 30; done
 python docs/measurements/layers_one_call.py $Z float32 2
+
+# ---- thirtieth session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+# DSpark's greedy chain in one kernel call; DFlash and DSpark at every block size, the fastest recorded
+python docs/measurements/drafting_parts.py dspark 7   # per-call medians of the drafting step's parts
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --block-sizes 2 3 4 7 --drafters dflash dspark --no-transformers --threads 2 --record --output $OUT/block-sizes-zen4-s30.json
+# drafter networks quantized at load (--draft-quantize), interleaved with their bfloat16 selves
+for m in "dflash 3" "dspark 2" "eagle3 3"; do python docs/measurements/draft_quantize_ab.py $m q8_0; done
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
+  dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
+  --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s30.json
+specdec demo > $OUT/demo-zen4-s30.txt 2>&1
