@@ -142,17 +142,16 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
-QUANTIZED_NETWORKS = ("eagle", "eagle3", "dflash", "dspark")  # drafter networks --draft-quantize quantizes
-
-
 def check_draft_quantize(args, drafters: str | list[str]) -> None:
-    """--draft-quantize quantizes a draft model (--draft DIR) or a drafter network (EAGLE-1/3, DFlash, DSpark):
-    with neither among ``drafters`` it would be ignored, so refuse."""
+    """--draft-quantize quantizes a draft model (--draft DIR) or a drafter network (the registry's ``quantize``
+    entries: EAGLE-1/3, DFlash, DSpark): with neither among ``drafters`` it would be ignored, so refuse."""
+    from specdec.drafters.registry import quantized_networks
+
     names = [drafters] if isinstance(drafters, str) else list(drafters)
     draft_model = "draft-model" in names and getattr(args, "draft", None)
-    if getattr(args, "draft_quantize", None) and not draft_model and not set(names) & set(QUANTIZED_NETWORKS):
+    if getattr(args, "draft_quantize", None) and not draft_model and not set(names) & set(quantized_networks()):
         raise InvalidArgumentError("--draft-quantize quantizes a draft model (--drafter draft-model and --draft DIR) "
-                                   f"or a drafter network ({', '.join(QUANTIZED_NETWORKS)})")
+                                   f"or a drafter network ({', '.join(quantized_networks())})")
 
 
 def make_drafter(name: str, args, backend: str | None = None, folder=None, **overrides):

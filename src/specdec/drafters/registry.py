@@ -26,6 +26,7 @@ class DrafterEntry:
     chains: bool = True             # drafts chains of k (else its own static tree)
     trees: bool = False             # builds dynamic trees (TreeConfig)
     p_min: bool = False             # takes --draft-p-min (drafts one token at a time, each from its own softmax)
+    quantize: bool = False          # a network --draft-quantize block-quantizes at load (the draft model: its --draft)
     build: Callable = None          # (folder or None, options namespace) -> Drafter
 
 
@@ -74,12 +75,14 @@ def _eagle(version):
 
 def _dflash(folder, options):
     from specdec.drafters.dflash import DFlash
-    return DFlash(folder, block_size=getattr(options, "block_size", None), quantize=getattr(options, "draft_quantize", None))
+    return DFlash(folder, block_size=getattr(options, "block_size", None),
+                  quantize=getattr(options, "draft_quantize", None))
 
 
 def _dspark(folder, options):
     from specdec.drafters.dspark import DSpark
-    return DSpark(folder, block_size=getattr(options, "block_size", None), quantize=getattr(options, "draft_quantize", None))
+    return DSpark(folder, block_size=getattr(options, "block_size", None),
+                  quantize=getattr(options, "draft_quantize", None))
 
 
 def _early_exit(folder, options):
@@ -106,13 +109,13 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
     DrafterEntry("medusa", "Medusa heads on the target's last feature, a static tree", ("MEDUSA",), folder=True,
                  zoo="medusa", chains=False, build=_medusa),
     DrafterEntry("eagle", "EAGLE-1: one layer over the target's last feature", ("EAGLE",), folder=True,
-                 zoo="eagle", trees=True, p_min=True, build=_eagle(1)),
+                 zoo="eagle", trees=True, p_min=True, quantize=True, build=_eagle(1)),
     DrafterEntry("eagle3", "EAGLE-3: one layer over fused low/mid/high target features", ("EAGLE3",), folder=True,
-                 zoo="eagle3", trees=True, p_min=True, build=_eagle(3)),
+                 zoo="eagle3", trees=True, p_min=True, quantize=True, build=_eagle(3)),
     DrafterEntry("dflash", "DFlash: a block of drafts in one pass over fused target features", ("DFLASH",),
-                 folder=True, zoo="dflash", build=_dflash),
+                 folder=True, zoo="dflash", quantize=True, build=_dflash),
     DrafterEntry("dspark", "DSpark: DFlash's block with a Markov head and a confidence head", ("DSPARK",),
-                 folder=True, trees=True, build=_dspark),
+                 folder=True, trees=True, quantize=True, build=_dspark),
     DrafterEntry("early-exit", "LayerSkip: the target's own first layers, final norm and head", ("LAYERSKIP",),
                  zoo_variant="layerskip", build=_early_exit),
     DrafterEntry("mtp", "the target's own multi-token-prediction modules or heads", ("NEXTN", "deepseek_mtp"),
@@ -123,6 +126,11 @@ REGISTRY: dict[str, DrafterEntry] = {entry.name: entry for entry in (
 def p_min_takers() -> str:
     """The start of the one-line error for --draft-p-min where no drafter takes it: which do."""
     return "--draft-p-min cuts the chains of " + ", ".join(e.name for e in REGISTRY.values() if e.p_min)
+
+
+def quantized_networks() -> tuple[str, ...]:
+    """The drafters whose networks --draft-quantize block-quantizes at load."""
+    return tuple(entry.name for entry in REGISTRY.values() if entry.quantize)
 
 
 def resolve(value: str) -> str:

@@ -624,7 +624,8 @@ def markov_greedy(head: torch.Tensor, w1: torch.Tensor, w2: Matrix, ids: torch.T
     what ``argmax(head[:, j].float() + linear(w1[previous].to(dtype), w2).float())`` gives, the same bits.
     None where the kernels do not run it (the caller then loops in PyTorch)."""
     if (head.dtype not in (torch.float32, torch.bfloat16) or head.device.type != "cpu" or head.stride(-1) != 1
-            or w1.dtype != torch.float32 or not w1.is_contiguous() or isinstance(w2, QMatrix) or available() is not None):
+            or w1.dtype != torch.float32 or not w1.is_contiguous() or isinstance(w2, QMatrix)
+            or available() is not None):
         return None
     batch, slots, vocab = head.shape
     rank = w1.shape[1]
