@@ -681,6 +681,9 @@ python docs/measurements/layers_one_call.py $Z float32 2
 python docs/measurements/drafting_parts.py dspark 7   # per-call medians of the drafting step's parts
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   --block-sizes 2 3 4 7 --drafters dflash dspark --no-transformers --threads 2 --record --output $OUT/block-sizes-zen4-s30.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --block-sizes 2 4 7 --drafters dflash dspark --policies confidence --no-transformers --threads 2 \
+  --output $OUT/block-sizes-zen4-s30b.json   # a second run, after the scheduler's patience change
 # drafter networks quantized at load (--draft-quantize), interleaved with their bfloat16 selves
 for m in "dflash 3" "dspark 2" "eagle3 3"; do python docs/measurements/draft_quantize_ab.py $m q8_0; done
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
