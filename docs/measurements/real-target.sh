@@ -620,6 +620,7 @@ python -c "import json; from specdec.commands.bench import record_fastest; r = j
 for m in dflash dspark; do cp runs/s28/$m/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/$m/; done
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   --temperature 0.7 --drafters dflash dspark eagle3 --no-transformers --threads 2 --output $OUT/block-t07-zen4-s28.json
+python docs/measurements/scheduler_steps.py 2   # the scheduler's cuts and steps at one row, before and after the patience change
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
   dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
   --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s28.json
