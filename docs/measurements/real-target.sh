@@ -691,3 +691,5 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
   --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s30.json
 specdec demo > $OUT/demo-zen4-s30.txt 2>&1
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --temperature 0.7 --drafters dflash dspark eagle3 --no-transformers --threads 2 --output $OUT/block-t07-zen4-s30.json
