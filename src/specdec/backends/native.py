@@ -69,9 +69,6 @@ class NativeCache(RaggedCache):
     block leave unwritten cache entries, which a ``truncate`` below it makes harmless.
     """
 
-    # Runs of the model's layers go to the kernels in one call; a drafter's cache that gives each layer inputs
-    # of its own (``_layer``) sets this False.
-    layers_in_one_call = True
 
     def __init__(self, backend: "NativeBackend", batch_size: int, capacity: int | None = None):
         model = backend.model
@@ -159,7 +156,9 @@ class NativeCache(RaggedCache):
         model = self.model
         stop = min(stop, len(model.layers))
         while block.layer < stop:
-            if self.layers_in_one_call:  # the run of layers up to the next tap, in one kernel call
+            if type(self)._layer is NativeCache._layer:  # the model's own layers: the run up to the next tap
+                # in one kernel call (a drafter's cache whose ``_layer`` feeds each layer inputs of its own runs
+                # them one by one)
                 end = min([tap for tap in block.hidden_layers if block.layer < tap < stop] + [stop])
                 block.hidden = llama.decoder_layers(model, block.layer, end, block.hidden, block.params, self.kv,
                                                     block.masks)

@@ -349,8 +349,6 @@ class ContextCache(NativeCache):
     the block; more (a prompt, or context that waited while no draft was asked for) are entered first
     on their own as keys and values only, since no column reads their outputs."""
 
-    layers_in_one_call = False  # each layer reads inputs of its own (``_layer``)
-
     APART = 16  # new context columns from which they are entered on their own
 
     def __init__(self, runtime: DFlashRuntime, batch_size: int, capacity: int | None = None):

@@ -397,8 +397,6 @@ class FeatureCache(NativeCache):
     masks, one rollback primitive) and returns the drafter's outputs [B, n, H].
     """
 
-    layers_in_one_call = False  # each layer reads inputs of its own (``_layer``)
-
     def __init__(self, runtime: EagleRuntime, batch_size: int, capacity: int | None = None):
         self.runtime = runtime
         super().__init__(types.SimpleNamespace(model=runtime.core), batch_size, capacity)

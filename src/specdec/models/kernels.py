@@ -184,8 +184,6 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_markov_greedy": [p, i, i, i, i, i, p, i, p, n, p, p, n, p, p, p, p, p],
     }
     for name, args in signatures.items():
-        if name == "sd_markov_greedy" and not hasattr(lib, name):
-            continue  # an older build, loaded beside this one to compare their speed (builds_ab.py)
         getattr(lib, name).argtypes = args
     lib.sd_vector.restype = ctypes.c_char_p
     lib.sd_qvector.restype = ctypes.c_char_p

@@ -641,14 +641,11 @@ def drafter_qtype(target, quantize: str | None = None) -> str | None:
     return "Q8_0" if getattr(target.backend, "quantized_types", ()) else None
 
 
-DRAFTER_QTYPES = ("q8_0", "q4_0", "q4_1")
-
-
 def check_drafter_quantize(quantize: str | None, label: str) -> str | None:
-    """``quantize`` as a drafter network takes it (None or one of DRAFTER_QTYPES, any case), else one line."""
-    if quantize is None or quantize.lower() in DRAFTER_QTYPES:
+    """``quantize`` as a drafter network takes it (None or one of QUANTIZE, any case), else one line."""
+    if quantize is None or quantize.lower() in QUANTIZE:
         return None if quantize is None else quantize.lower()
-    raise InvalidArgumentError(f"{label} weights can be quantized to {', '.join(DRAFTER_QTYPES)}, got {quantize!r}")
+    raise InvalidArgumentError(f"{label} weights can be quantized to {', '.join(QUANTIZE)}, got {quantize!r}")
 
 
 def pack_layer(get, at: str, heads: int, kv: int, dim: int, dtype: torch.dtype, window: Window = FULL,
