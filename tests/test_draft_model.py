@@ -50,3 +50,134 @@ def test_p_min_cuts_the_draft_models_chains_and_keeps_the_output(model_dirs):
     target, prompt, exact = sampling_case(model_dirs["llama"], config)
     drafter = DraftModel(model_dirs["llama-draft"], dtype="bfloat16", p_min=0.3)
     assert chi_square_p(sampled_pairs(target, prompt, drafter, config), exact) > P_VALUE
+
+
+class Guesser:
+    """A staged drafter for tests: ``guess(row tokens, k)`` -> that row's guesses (any length)."""
+
+    name = "guesser"
+
+    def __init__(self, guess):
+        self.guess = guess
+
+    def start(self, context, seqs):
+        return self
+
+    def propose(self, seqs, k):
+        import torch
+
+        from specdec.drafters.base import Proposal
+
+        rows = [self.guess(seqs.row(b), k)[:k] for b in range(seqs.batch_size)]
+        tokens = torch.zeros(seqs.batch_size, k, dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return Proposal(tokens, torch.tensor([len(row) for row in rows]))
+
+
+def counted_passes(monkeypatch, model):
+    """A list that grows by one for each forward pass of native ``model``'s caches."""
+    from specdec.backends.native import NativeCache
+
+    passes, forward = [], NativeCache.forward
+
+    def counted(cache, *args, **kwargs):
+        if cache.model is model:
+            passes.append(1)
+        return forward(cache, *args, **kwargs)
+
+    monkeypatch.setattr(NativeCache, "forward", counted)
+    return passes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_staged_draft_model_drafts_its_own_tokens_in_fewer_passes(model_dirs, dtype, monkeypatch):
+    """staged=: a drafter without a model guesses for the draft model, which checks its guesses a pass at a
+    time and keeps those its own argmax agrees with. The drafts are the ones it drafts one token a pass
+    (every step alike: the same stats), so the output is plain decoding's, in a ragged batch, with wrong
+    guesses of every length, with p_min cuts and at temperature > 0 (where it drafts one token a pass)."""
+    import random
+
+    import torch
+
+    from specdec.drafters.prompt_lookup import PromptLookup
+
+    target = load_target(model_dirs["llama"], backend="native", dtype=dtype)
+    copy = load_target(model_dirs["llama"], backend="native", dtype=dtype, quantize="q8_0")
+    copy.eos_token_ids = ()
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61, 62, 60], [3] * 12, [8, 9]]
+    plain = specdec.generate(target, prompts, max_new_tokens=24).token_ids
+    chance = random.Random(0)
+    guessers = {"prompt lookup": PromptLookup(),
+                "wrong guesses": Guesser(lambda row, k: [chance.randrange(90) for _ in range(chance.randrange(k + 1))]),
+                "the copy's own": None}
+    for p_min in (None, 0.3):
+        alone = DraftModel(model_dirs["llama"], dtype=getattr(torch, dtype), quantize="q8_0", p_min=p_min, staged="none")
+        passes = counted_passes(monkeypatch, alone.backend.model)
+        reference = specdec.generate(target, prompts, drafter=alone, num_draft_tokens=6, max_new_tokens=24)
+        assert reference.token_ids == plain
+        one_token_passes = len(passes)
+        for label, guesser in guessers.items():
+            if guesser is None:  # what the copy decodes alone (it drafts from the target's keys of the prompt)
+                guesser = Guesser(lambda row, k: greedy_continuation(copy, row, k))
+            staged = DraftModel(model_dirs["llama"], dtype=getattr(torch, dtype), quantize="q8_0", p_min=p_min, staged=guesser,
+                                staged_guesses=3)
+            passes = counted_passes(monkeypatch, staged.backend.model)
+            out = specdec.generate(target, prompts, drafter=staged, num_draft_tokens=6, max_new_tokens=24)
+            assert out.token_ids == plain, label
+            assert step_counts(out.stats) == step_counts(reference.stats), label
+            if label == "the copy's own" and p_min is None:  # (the cut at 0.3 leaves few drafts to draft)
+                assert len(passes) < one_token_passes, label
+    sampled = [DraftModel(model_dirs["llama"], dtype=getattr(torch, dtype), quantize="q8_0", staged=staged) for staged in
+               ("none", "prompt-lookup")]
+    draws = [specdec.generate(target, prompts, drafter=d, num_draft_tokens=4, max_new_tokens=16, temperature=0.8,
+                              seed=3).token_ids for d in sampled]
+    assert draws[0] == draws[1]
+
+
+def step_counts(stats) -> tuple:
+    """What a generation's drafts decided, step by step: equal for the same drafts."""
+    return stats.target_forwards, stats.proposed_at, stats.accepted_at, stats.accepted_histogram
+
+
+def greedy_continuation(copy, row: list[int], k: int) -> list[int]:
+    """``copy``'s (a Target) plain greedy decoding after ``row``, k tokens."""
+    return specdec.generate(copy, [row], max_new_tokens=k).token_ids[0]
+
+
+def test_staged_settings_come_from_the_folder_record_and_bad_ones_are_one_line(model_dirs, tmp_path, capsys):
+    """staged=None takes the folder's record (``bench --record``: specdec.defaults.staged and staged_guesses);
+    "none" turns it off; unknown names, guesses below 1 and --draft-staged without a draft model are one line."""
+    import json
+    import shutil
+
+    from specdec.commands.cli import main
+    from specdec.drafters.prompt_lookup import PromptLookup
+
+    folder = tmp_path / "draft"
+    shutil.copytree(model_dirs["llama-draft"], folder)
+    assert DraftModel(folder).staged is None
+    config = json.loads((folder / "config.json").read_text())
+    config["specdec"] = {"defaults": {"num_draft_tokens": 8, "tree": None, "staged": "prompt-lookup",
+                                      "staged_guesses": 3}}
+    (folder / "config.json").write_text(json.dumps(config))
+    recorded = DraftModel(folder)
+    assert isinstance(recorded.staged, PromptLookup) and recorded.staged_guesses == 3
+    assert recorded.default_draft_tokens == 8 and recorded.setting == "staged prompt-lookup G=3"
+    assert DraftModel(folder, staged_guesses=5).staged_guesses == 5
+    assert DraftModel(folder, staged="none").staged is None
+    for bad, words in (({"staged": "medusa"}, "prompt-lookup"), ({"staged": 3}, "got int"),
+                       ({"staged": "prompt-lookup", "staged_guesses": 0}, ">= 1")):
+        with pytest.raises(InvalidArgumentError, match=words) as error:
+            DraftModel(folder, **bad)
+        assert "\n" not in str(error.value)
+    base = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "a", "--max-new-tokens", "2"]
+    for extra, words in ((["--drafter", "prompt-lookup", "--draft-staged", "prompt-lookup"], "speed up a draft model"),
+                         (["--drafter", "draft-model", "--draft", str(folder), "--draft-staged", "retrieval"],
+                          "retrieval=DIR"),
+                         (["--drafter", "draft-model", "--draft", str(folder), "--draft-staged", "eagle"],
+                          "takes none, prompt-lookup or retrieval")):
+        capsys.readouterr()
+        assert main(base + extra) == 2, extra
+        error = capsys.readouterr().err.strip()
+        assert words in error and "\n" not in error, error

@@ -7,6 +7,7 @@ the real SmolLM2 is marked ``network`` (run with -m network).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -294,6 +295,30 @@ def test_real_model_is_fetched_built_once_and_loaded_by_name(model_dirs, exporte
     with pytest.raises(ZooError) as error:
         zoo_path("tiny-good/eagle3")
     assert "'eagle3'" in message(error) and "trained: dflash, medusa" in message(error)
+
+
+def test_a_copy_that_drafts_for_its_float_model_records_its_setting_once(exported, wheelhouse, monkeypatch):
+    """A real model with draft_defaults (the shipped Q4_1 file: staged on prompt lookup) writes them into its
+    folder as bench --record would, in a folder built before as well, and never over the folder's own record;
+    DraftModel then drafts with them."""
+    from specdec.drafters import DraftModel
+
+    add, cache = wheelhouse
+    add("tiny-copy", exported.read_bytes())
+    setting = {"num_draft_tokens": 6, "tree": None, "staged": "prompt-lookup", "staged_guesses": 3}
+    spec = zoo.REAL_MODELS["tiny-copy"]
+    zoo_path("tiny-copy")                                  # built before the setting existed
+    config_file = cache / "models" / "tiny-copy" / "config.json"
+    assert "specdec" not in json.loads(config_file.read_text())
+    monkeypatch.setitem(zoo.REAL_MODELS, "tiny-copy", dataclasses.replace(spec, quantized=True, draft_defaults=setting))
+    folder = zoo_path("tiny-copy")
+    assert json.loads(config_file.read_text())["specdec"]["defaults"] == setting
+    drafter = DraftModel("tiny-copy")
+    assert (drafter.default_draft_tokens, drafter.staged.name, drafter.staged_guesses) == (6, "prompt-lookup", 3)
+    own = {**json.loads(config_file.read_text()), "specdec": {"defaults": {"num_draft_tokens": 2, "tree": None}}}
+    config_file.write_text(json.dumps(own))                # a later bench --record on this machine
+    assert zoo_path("tiny-copy") == folder and json.loads(config_file.read_text()) == own
+    assert DraftModel("tiny-copy").staged is None
 
 
 def test_damaged_or_short_members_are_refused(exported, wheelhouse):

@@ -630,6 +630,8 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "new_tokens": m.new_tokens, "seconds": m.seconds,
             "tree": None if m.tree is None else [m.tree.depth, m.tree.topk, m.tree.num_nodes],
             "p_min": getattr(m.drafter, "p_min", None),
+            **({"staged": m.drafter.staged_name, "staged_guesses": m.drafter.staged_guesses}
+               if getattr(m.drafter, "staged_name", None) else {}),
             "mean_nodes": m.k_sum / m.tau_steps if m.tau_steps else None,
             "speedup_vs_plain": m.tokens_per_second / plain.tokens_per_second if plain and plain.seconds else None,
             "ratio_vs_transformers": (m.tokens_per_second / peer.tokens_per_second
@@ -814,7 +816,8 @@ def load_bench_prompts(args) -> tuple[list, list[str] | None]:
 
 
 def run_bench_command(args) -> int:
-    from specdec.commands.clitools import check_draft_quantize, check_output_path, make_drafter, write_atomic
+    from specdec.commands.clitools import check_draft_quantize, check_staged, make_drafter
+    from specdec.models.files import check_output_path, write_atomic
     from specdec.backends.target import load_target
 
     check_output_path(args.output)
@@ -831,6 +834,7 @@ def run_bench_command(args) -> int:
         prompts = prompts[: args.num_prompts]
     requested = [parse_drafter(text, args.target) for text in args.drafters]
     check_draft_quantize(args, [name for name, _ in requested] + ["draft-model"])
+    check_staged(args, ["draft-model"])
     from specdec.drafters.registry import REGISTRY
     from specdec.drafters.mtp import is_modules_folder
 
@@ -841,9 +845,11 @@ def run_bench_command(args) -> int:
     requested = [(name, folder) for name, folder in requested if not self_drafting(name, folder)]
     p_mins = p_min_values(args.draft_p_min, [name for name, _ in requested + own] + [DRAFT_MODEL] * bool(args.draft))
 
-    def drafters(name, folder, backend):  # one per cut when the method takes --draft-p-min
+    def drafters(name, folder, backend):  # one per cut when the method takes --draft-p-min (and per --draft-staged)
         cuts = p_mins if REGISTRY[name].p_min else [None]
-        return [make_drafter(name, args, backend=backend, folder=folder, draft_p_min=p) for p in cuts]
+        stages = list(dict.fromkeys(args.draft_staged or [None])) if name == DRAFT_MODEL else [None]
+        return [make_drafter(name, args, backend=backend, folder=folder, draft_p_min=p, draft_staged=staged)
+                for p in cuts for staged in stages]
 
     engines, variants = [], []
     for backend in dict.fromkeys(args.backend):
@@ -898,11 +904,13 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults).
     ``several``: other folders of the method were measured too; only this folder's rows (their labels name
     it, ``drafter_note``) count."""
-    from specdec.commands.clitools import write_atomic
+    from specdec.models.files import write_atomic
     from specdec.models.kernels import cpu_summary
 
+    # A draft model staged on retrieval needs its datastore, which a folder's record cannot name: not recorded.
     rows = [r for r in result["rows"] if r["impl"] == "specdec" and r["family"] == name and r["batch_size"] == 1
-            and r["speedup_vs_plain"] and (not several or f"({Path(folder).name}" in r["method"])]
+            and r["speedup_vs_plain"] and (not several or f"({Path(folder).name}" in r["method"])
+            and r.get("staged") in (None, "prompt-lookup")]
     best = max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
     if best is None:
         return None
@@ -912,6 +920,7 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     config = json.loads(path.read_text())
     choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
               **({"p_min": best["p_min"]} if best.get("p_min") else {}),
+              **({"staged": best["staged"], "staged_guesses": best["staged_guesses"]} if best.get("staged") else {}),
               "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,
               "cpu": cpu_summary()}
     config.setdefault("specdec", {})["defaults"] = choice

@@ -14,8 +14,8 @@ import sys
 import warnings
 
 from specdec.commands.clitools import (ArgumentParser, drafter_name, add_generation_arguments, add_model_arguments,
-                       add_tree_arguments, check_draft_quantize, check_output_path, make_drafter, tree_config,
-                       write_atomic)
+                       add_tree_arguments, check_draft_quantize, check_staged, make_drafter, tree_config)
+from specdec.models.files import check_output_path, write_atomic
 from specdec.drafters.registry import help_text as registry_help
 from specdec.errors import InvalidArgumentError, SpecdecError, SpecdecWarning
 
@@ -88,6 +88,7 @@ def run_generate(args) -> int:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR"
                                    + (f" (the zoo's: specdec.zoo.zoo_path({entry.zoo!r}))" if entry.zoo else ""))
     check_draft_quantize(args, args.drafter)
+    check_staged(args, args.drafter)
     check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
     drafter = make_drafter(args.drafter, args)

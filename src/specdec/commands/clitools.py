@@ -6,9 +6,6 @@ The commands import this module, never each other; ``cli.py`` registers them all
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-from pathlib import Path
 
 from specdec.errors import InvalidArgumentError
 
@@ -83,6 +80,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, several: bool = False) 
                              "likely token the drafter gives less than P (llama.cpp's --draft-p-min; default: the one "
                              "the drafter's folder records, else none; 0: none)"
                              + ("; several: each measured, and --record keeps the fastest" if several else ""))
+    parser.add_argument("--draft-staged", default=None, metavar="NAME", nargs="+" if several else None,
+                        help="draft-model: a drafter without a model that guesses for the draft model, which then "
+                             "checks several guesses a pass (greedy chains; the drafts are unchanged): "
+                             "prompt-lookup, retrieval[=DIR] or none (default: the draft model's recorded choice)"
+                             + ("; several: each measured" if several else ""))
+    parser.add_argument("--staged-guesses", type=int, default=None, metavar="G",
+                        help="draft-model with --draft-staged: guesses read a pass (default: recorded, else 3)")
     parser.add_argument("--medusa-choices", type=tree_paths, default=None, metavar="JSON",
                         help="Medusa: the candidate tree as index paths, e.g. '[[0], [0, 0], [1]]' "
                              "(default: the folder's medusa_choices, chosen from held-out acceptance)")
@@ -142,6 +146,15 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
                         help="heuristic: k += 2 after a fully accepted step, k -= 1 otherwise")
 
 
+def check_staged(args, drafters: str | list[str]) -> None:
+    """--draft-staged and --staged-guesses speed up a draft model (--drafter draft-model, --draft DIR) only."""
+    names = [drafters] if isinstance(drafters, str) else list(drafters)
+    asked = getattr(args, "draft_staged", None) is not None or getattr(args, "staged_guesses", None) is not None
+    if asked and not ("draft-model" in names and getattr(args, "draft", None)):
+        raise InvalidArgumentError("--draft-staged and --staged-guesses speed up a draft model "
+                                   "(--drafter draft-model and --draft DIR)")
+
+
 def check_draft_quantize(args, drafters: str | list[str]) -> None:
     """--draft-quantize quantizes a draft model (--draft DIR) or a drafter network (the registry's ``quantize``
     entries: EAGLE-1/3, DFlash, DSpark): with neither among ``drafters`` it would be ignored, so refuse."""
@@ -168,21 +181,3 @@ def make_drafter(name: str, args, backend: str | None = None, folder=None, **ove
     return build(name, folder if folder is not None else getattr(args, "draft", None), options)
 
 
-def check_output_path(path: str | os.PathLike | None) -> None:
-    """Fail before any work when an output file could not be written."""
-    if path is not None and not Path(path).parent.is_dir():
-        raise InvalidArgumentError(f"output folder does not exist: {Path(path).parent}")
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path via a temporary file in the same folder, so readers never see half a file."""
-    check_output_path(path)
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

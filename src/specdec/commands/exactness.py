@@ -107,7 +107,8 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.commands.clitools import BACKENDS, ArgumentParser, check_output_path, write_atomic
+    from specdec.commands.clitools import BACKENDS, ArgumentParser
+    from specdec.models.files import check_output_path, write_atomic
 
     parser = ArgumentParser(prog="python -m specdec.commands.exactness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", metavar="DIR", help="target model directory (default: the zoo's target)")

@@ -404,7 +404,8 @@ def format_comparison(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.commands.clitools import ArgumentParser, check_output_path, write_atomic
+    from specdec.commands.clitools import ArgumentParser
+    from specdec.models.files import check_output_path, write_atomic
 
     parser = ArgumentParser(prog="python -m specdec.commands.llamacpp",
                             description="Compare specdec with llama.cpp's plain greedy decoding on the same weights.")

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.commands.clitools import (add_model_arguments, add_tree_arguments, check_draft_quantize, drafter_name,
-                                       policy_text, tree_config)
+from specdec.commands.clitools import (add_model_arguments, add_tree_arguments, check_draft_quantize, check_staged,
+                                       drafter_name, policy_text, tree_config)
 from specdec.errors import InvalidArgumentError
 
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -106,6 +106,7 @@ def resolve_models(args) -> None:
     if entry.folder and not args.draft:
         raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR")
     check_draft_quantize(args, entry.name)
+    check_staged(args, entry.name)
     for name in ("max_batch_size", "max_queue", "max_kv_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -207,7 +208,7 @@ def add_bench_serve_command(commands) -> None:
 
 
 def run_bench_serve(args) -> int:
-    from specdec.commands.clitools import check_output_path, write_atomic
+    from specdec.models.files import check_output_path, write_atomic
     from specdec.serve.bench import format_table, parse_mode, plot, resolve_mode, run_bench_serve as bench
     from specdec.zoo.tasks import load_tasks
 

@@ -18,9 +18,13 @@ from specdec.backends.native import NativeBackend
 from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import (ConfidenceStop, DecodeContext, Proposal, check_p_min, cut_label, draft_from,
-                                   over_vocabulary, read_draft_vocabulary, recorded_defaults)
+                                   over_vocabulary, read_draft_vocabulary, recorded_defaults,
+                                   recorded_setting)
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend, resolve_model
+
+
+STAGED_GUESSES = 3  # a staged draft model's guesses a pass (docs/real-target.md, thirty-first session: 3 > 4)
 
 
 class DraftModel:
@@ -28,7 +32,8 @@ class DraftModel:
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module | Target, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", backend: str = "auto", draft_vocab: bool | str | os.PathLike = True,
-                 quantize: str | None = None, reuse_prompt: bool = True, p_min: float | None = None):
+                 quantize: str | None = None, reuse_prompt: bool = True, p_min: float | None = None,
+                 staged=None, staged_guesses: int | None = None):
         """``model``: a model directory (a GGUF file, or a real model's name, as ``load_target`` takes),
         a transformers model already loaded (runs on "hf"), or a ``Target``, which then drafts on its own
         backend (self-draft; ``target.model`` is None on native).
@@ -47,6 +52,13 @@ class DraftModel:
         ``p_min`` (llama.cpp's ``--draft-p-min``): a row's chain stops before its first draft whose most likely
         token the draft model gives less than this probability (``drafters.base.ConfidenceStop``); None: a
         directory's recorded one (``bench --record``), else none; 0: none.
+        ``staged``: a drafter without a model (a ``PromptLookup`` or ``Retrieval``, or "prompt-lookup") that
+        drafts for the draft model itself, greedy chains only (staged speculation): each of the draft model's
+        passes reads the tokens it has not seen and up to ``staged_guesses`` (default 3) of that drafter's
+        guesses at once, keeps the guesses its own argmax agrees with and one token of its own, so a pass can
+        yield several drafts. The drafts are the ones the draft model drafts alone, token for token; sampling
+        and trees draft one token a pass. None: the folder's recorded choice (``bench --record``), else none;
+        "none": none.
         """
         self.vocabulary, self.head = None, None
         self.reuse_prompt = reuse_prompt
@@ -73,15 +85,22 @@ class DraftModel:
             raise InvalidArgumentError(f"DraftModel takes a model directory, a transformers model or a Target, "
                                        f"got {type(model).__name__}{hint}")
         self.p_min = check_p_min(p_min, self.path)  # a folder's recorded cut (a file or a loaded model: none)
+        self.staged, self.staged_guesses = staged_setting(staged, staged_guesses, self.path)
 
     @property
     def vocab_size(self) -> int:
         return self.backend.vocab_size
 
     @property
+    def staged_name(self) -> str | None:
+        """The staged drafter's registry name, or None (bench's rows and --record)."""
+        return None if self.staged is None else self.staged.name
+
+    @property
     def setting(self) -> str:
         """What bench's labels show of this drafter's own settings."""
-        return cut_label(self.p_min)
+        staged = f"staged {self.staged_name} G={self.staged_guesses}" if self.staged is not None else ""
+        return " ".join(part for part in (staged, cut_label(self.p_min)) if part)
 
     def check_compatible(self, target) -> None:
         """Same token ids must mean the same strings, or drafts are meaningless to the target."""
@@ -110,11 +129,40 @@ class DraftModel:
             # a quantized model's head rows stay quantized (Q8_0 blocks of its dequantized rows: a Q8_0 head's own)
             self.head = llama.head_matrix(model.head_weight(), model.dtype, model.norm, llama.drafter_qtype(self),
                                           rows=self.vocabulary)
+        staged = self.staged.start(context, seqs) if self.staged is not None and context.sampling.greedy \
+            and context.tree is None else None
         session = DraftModelSession(self.backend, context, seqs.batch_size, context.target.vocab_size,
-                                    self.vocabulary, adopts_prompt=self.copies_target, p_min=self.p_min)
+                                    self.vocabulary, adopts_prompt=self.copies_target, p_min=self.p_min,
+                                    staged=staged, staged_guesses=self.staged_guesses)
         if self.vocabulary is not None:
             session.cache.logit_head = self.head
         return session
+
+
+def staged_setting(staged, guesses: int | None, folder: str | None):
+    """(the staged drafter or None, guesses a pass) from DraftModel's ``staged`` and ``staged_guesses``:
+    a drafter, "prompt-lookup", "none", or None for what ``folder`` records (its config.json's
+    ``specdec.defaults``: ``staged`` and ``staged_guesses``, written by ``bench --record``); one line for
+    anything else."""
+    from specdec.drafters.prompt_lookup import PromptLookup
+
+    recorded = recorded_setting(folder) if folder and staged is None else {}
+    if staged is None:
+        staged = recorded.get("staged") or "none"
+        guesses = guesses if guesses is not None else recorded.get("staged_guesses")
+    guesses = STAGED_GUESSES if guesses is None else guesses
+    if not isinstance(guesses, int) or isinstance(guesses, bool) or guesses < 1:
+        raise InvalidArgumentError(f"staged guesses must be a whole number >= 1, got {guesses!r}")
+    if isinstance(staged, str):
+        named = {"none": None, "prompt-lookup": PromptLookup()}
+        if staged not in named:
+            raise InvalidArgumentError(f"a staged draft model guesses with {' or '.join(named)} by name (retrieval: "
+                                       f"pass a Retrieval with its datastore), got {staged!r}")
+        staged = named[staged]
+    elif not (hasattr(staged, "start") and hasattr(staged, "name")):
+        raise InvalidArgumentError(f"staged takes a drafter without a model (PromptLookup, Retrieval) or its name, "
+                                   f"got {type(staged).__name__}")
+    return staged, guesses
 
 
 def copies(draft, target, rows: int = 256) -> bool:
@@ -139,8 +187,10 @@ CATCH_UP = 2  # a copy of the target further behind than this takes the target's
 
 class DraftModelSession:
     def __init__(self, backend, context: DecodeContext, batch_size: int, target_vocab: int,
-                 vocabulary: torch.Tensor | None = None, adopts_prompt: bool = False, p_min: float | None = None):
+                 vocabulary: torch.Tensor | None = None, adopts_prompt: bool = False, p_min: float | None = None,
+                 staged=None, staged_guesses: int = STAGED_GUESSES):
         self.p_min = p_min
+        self.staged, self.staged_guesses = staged, staged_guesses  # a session of the drafter drafting for this one
         self.vocabulary = vocabulary  # the target ids of the head's rows, or None: the whole head
         self.adopts_prompt = adopts_prompt  # a copy of the target: the target's keys and values of the prompt
         self.sampling = context.sampling
@@ -193,6 +243,8 @@ class DraftModelSession:
 
     def propose(self, seqs: Sequences, k: int) -> Proposal:
         self._catch_up(seqs)
+        if self.staged is not None and self.tree is None:
+            return self._propose_staged(seqs, k)
         # Catch up on committed tokens this cache has not seen (ragged: left-padded with holes).
         tokens, valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
         logits, _ = self.cache.forward(tokens, valid, logits_to_keep=1)
@@ -206,6 +258,52 @@ class DraftModelSession:
             if not stop.take(token, probs, logits[:, -1]):
                 break
         return stop.proposal()
+
+    def _propose_staged(self, seqs: Sequences, k: int) -> Proposal:
+        """Greedy chains of k, several drafts a pass where the staged drafter guesses them (see DraftModel).
+
+        Each pass reads, per row, the tokens this cache has not seen (left-padded) and then that row's
+        guesses (right-padded with holes). Its argmax after the last unseen token and after each guess is
+        what drafting one token a pass drafts there as long as the guesses before it agree, so a row keeps
+        its leading agreeing guesses and the argmax after them; the cache keeps those guesses, and that
+        last argmax is the next pass's unseen token. ``p_min`` cuts each draft as the one-token loop does."""
+        batch, device, spare = seqs.batch_size, seqs.tokens.device, k + self.staged_guesses + 1
+        context = Sequences.__new__(Sequences)  # the committed tokens and the drafts so far: what the guesser reads
+        context.tokens = torch.cat([seqs.tokens, seqs.tokens.new_full((batch, spare), self.pad)], dim=1)
+        context.lengths = seqs.lengths.clone()
+        drafts = torch.zeros(batch, spare, dtype=torch.long, device=device)
+        counts = torch.zeros(batch, dtype=torch.long, device=device)
+        going = torch.ones(batch, dtype=torch.bool, device=device)  # below k drafts and not cut by p_min
+        rows, columns = torch.arange(batch, device=device)[:, None], torch.arange(spare, device=device)
+        unseen, unseen_valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
+        while True:
+            width = min(self.staged_guesses, int(torch.where(going, k - counts, 0).max()) - 1)  # no guess past k
+            guesses, lengths = unseen.new_zeros(batch, 0), torch.zeros_like(counts)
+            if width > 0:
+                guess = self.staged.propose(context, width)
+                guesses, lengths = guess.tokens[:, :width], torch.where(going, guess.lengths.clamp(max=width), 0)
+            width = guesses.shape[1]
+            guessed = columns[:width] < lengths[:, None]
+            before = self.cache.lengths.clone()
+            logits, _ = self.cache.forward(torch.cat([unseen, guesses], 1), torch.cat([unseen_valid, guessed], 1),
+                                           logits_to_keep=width + 1)
+            chosen = self._next(logits.reshape(batch * (width + 1), -1))[0].view(batch, width + 1)
+            kept = ((chosen[:, :width] == guesses) & guessed).long().cumprod(1).sum(1)  # leading agreeing guesses
+            new = torch.minimum(kept + 1, k - counts) * going
+            if self.p_min is not None:  # each draft's own top probability, as ConfidenceStop reads it
+                top = torch.softmax(self._fit_vocab(logits.float()), -1).amax(-1)  # [B, width + 1]
+                sure = (top >= self.p_min).long().cumprod(1).sum(1)
+                going &= sure >= new
+                new = torch.minimum(new, sure)
+            placed = columns[:width + 1] < new[:, None]
+            drafts[rows.expand(-1, width + 1)[placed], (counts[:, None] + columns[:width + 1])[placed]] = chosen[placed]
+            context.append(chosen, new)
+            counts = counts + new
+            going &= counts < k
+            self.cache.truncate(before + unseen_valid.sum(1) + kept)
+            if not bool(going.any()):
+                return Proposal(drafts[:, :int(counts.max())], counts)
+            unseen, unseen_valid = chosen.gather(1, kept[:, None]), going[:, None].clone()
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [..., V] that rank tree candidates (warped when sampling)."""

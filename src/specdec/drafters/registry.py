@@ -40,7 +40,27 @@ def _draft_model(folder, options):
     from specdec.drafters.draft_model import DraftModel
     return DraftModel(folder, dtype=parse_dtype(getattr(options, "dtype", "float32")),
                       backend=getattr(options, "backend", None) or "auto",
-                      quantize=getattr(options, "draft_quantize", None), p_min=getattr(options, "draft_p_min", None))
+                      quantize=getattr(options, "draft_quantize", None), p_min=getattr(options, "draft_p_min", None),
+                      staged=_staged(options), staged_guesses=getattr(options, "staged_guesses", None))
+
+
+def _staged(options):
+    """--draft-staged: None (the folder's record), "none", "prompt-lookup", or retrieval over a datastore
+    (``retrieval=DIR``; ``retrieval`` alone: a real target's own, ``smollm2-135m/retrieval``)."""
+    value = getattr(options, "draft_staged", None)
+    if value in (None, "none", "prompt-lookup"):
+        return value
+    name, _, folder = value.partition("=")
+    if name != "retrieval":
+        raise InvalidArgumentError(f"--draft-staged takes none, prompt-lookup or retrieval[=DIR], got {value!r}")
+    if not folder:
+        from specdec.zoo import REAL_MODELS
+        target = str(getattr(options, "target", None))
+        if target not in REAL_MODELS:
+            raise InvalidArgumentError("--draft-staged retrieval needs a datastore here: retrieval=DIR "
+                                       "(specdec datastore builds one)")
+        folder = f"{target}/retrieval"
+    return _retrieval(folder, options)
 
 
 def _prompt_lookup(folder, options):

@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from specdec.errors import InvalidArgumentError
+
 
 @contextlib.contextmanager
 def atomic_dir(out_dir: str | os.PathLike):
@@ -91,3 +93,23 @@ def load_weights_into(net, folder):
     check_weights(weights, expected, Path(folder) / "model.safetensors")
     net.load_state_dict({name: weights[name].to(value.dtype) for name, value in expected.items()})
     return net.eval()
+
+
+def check_output_path(path: str | os.PathLike | None) -> None:
+    """Fail before any work when an output file could not be written."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise InvalidArgumentError(f"output folder does not exist: {Path(path).parent}")
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to path via a temporary file in the same folder, so readers never see half a file."""
+    check_output_path(path)
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

