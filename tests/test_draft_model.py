@@ -181,3 +181,21 @@ def test_staged_settings_come_from_the_folder_record_and_bad_ones_are_one_line(m
         assert main(base + extra) == 2, extra
         error = capsys.readouterr().err.strip()
         assert words in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_staged_draft_model_on_either_backend_drafts_what_it_drafts_alone(model_dirs, backend):
+    """Another model as the draft (not a copy), on specdec's kernels or in transformers: guesses of any length,
+    right or wrong, leave its drafts and the output as they are."""
+    import random
+
+    target = load_target(model_dirs["llama"], backend="native")
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 5, 17, 33], [60, 61, 62, 60, 61, 62, 60], [8, 9]]
+    plain = specdec.generate(target, prompts, max_new_tokens=20).token_ids
+    alone = specdec.generate(target, prompts, drafter=DraftModel(model_dirs["llama-draft"], backend=backend),
+                             num_draft_tokens=5, max_new_tokens=20)
+    chance = random.Random(1)
+    for staged in ("prompt-lookup", Guesser(lambda row, k: [chance.randrange(90) for _ in range(chance.randrange(k + 1))])):
+        drafter = DraftModel(model_dirs["llama-draft"], backend=backend, staged=staged, staged_guesses=2)
+        out = specdec.generate(target, prompts, drafter=drafter, num_draft_tokens=5, max_new_tokens=20)
+        assert out.token_ids == plain and step_counts(out.stats) == step_counts(alone.stats)

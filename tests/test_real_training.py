@@ -292,7 +292,8 @@ def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_pa
     cache.build(chat_dir, lines.append)
     assert cache.missing() == 0
     assert calls == [2, 2, 1, 1, 1]  # train rows 2..5, then the three held-out rows
-    assert "2 of 3 chunks to compute" in lines[0] and "3 of 3 chunks to compute" in lines[1]
+    counted = [line for line in lines if "chunks to compute" in line]
+    assert "2 of 3 chunks to compute" in counted[0] and "3 of 3 chunks to compute" in counted[1]
     resumed = read_all(tmp_path / "killed", sets)
     assert all(np.array_equal(resumed[name], clean[name]) for name in sets)
     assert json.loads((tmp_path / "killed" / "train.done").read_text()) == [0, 2, 4]
@@ -313,6 +314,18 @@ def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_pa
     found, final = cache.lookup(tokens, (1,))
     assert torch.equal(found[0], as_float(clean["train"][3, :, 0]))
     assert torch.equal(final[0], as_float(clean["train"][3, :, 1]))
+    # The target's choice at each real position, kept beside the features: the argmax of its whole head.
+    from specdec.train.distill import load_frozen_target
+
+    from specdec.models.kernels import fast_bfloat16
+
+    dtype = torch.bfloat16 if fast_bfloat16() else torch.float32  # the cache's product: fast, not shape-invariant
+    head = load_frozen_target(chat_dir).get_output_embeddings().weight.detach().to(dtype)
+    real = sets["train"].batch(torch.tensor([3]))[1][0]
+    choice = cache.choice(tokens)[0]
+    assert torch.equal(choice[real], (final[0][real].to(dtype) @ head.t()).argmax(-1))
+    assert bool((choice[~real] == -1).all())
+    assert FeatureCache(tmp_path / "killed", sets, (1,), 3, 64).choice(tokens) is None  # not built: not read
 
 
 def test_a_larger_set_copies_the_rows_a_smaller_one_of_the_same_recipe_computed(chat_dir, tmp_path, monkeypatch):
@@ -354,7 +367,7 @@ def test_a_cache_folder_of_other_sequences_is_computed_again(chat_dir, tmp_path)
                                                              torch.tensor([4, 4]))}
     lines.clear()
     FeatureCache(tmp_path / "reused", longer, (1,), 3, 64).build(chat_dir, lines.append)
-    assert len(lines) == 1 and "heldout" in lines[0]  # the train set is still the one computed
+    assert lines and all("heldout" in line for line in lines)  # the train set is still the one computed
     expected = read_all(tmp_path / "reused", longer)["heldout"]
     FeatureCache(tmp_path / "longer", longer, (1,), 3, 64).build(chat_dir, lambda m: None)
     assert np.array_equal(expected, read_all(tmp_path / "longer", longer)["heldout"])

@@ -693,3 +693,14 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
 specdec demo > $OUT/demo-zen4-s30.txt 2>&1
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   --temperature 0.7 --drafters dflash dspark eagle3 --no-transformers --threads 2 --output $OUT/block-t07-zen4-s30.json
+
+# ---- thirty-first session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+# a staged draft model: the Q4_1 file checks prompt lookup's or retrieval's guesses several a pass
+python docs/measurements/staged_passes.py 3 8 4 > $OUT/staged-passes-zen4-s31.txt
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 4 6 8 10 --draft-staged none prompt-lookup retrieval --drafters retrieval \
+  --no-transformers --threads 2 --output $OUT/staged-g4-zen4-s31.json   # G = 4, the default then
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 6 8 10 --draft-staged none prompt-lookup retrieval --staged-guesses 3 \
+  --no-transformers --threads 2 --output $OUT/staged-zen4-s31.json
+specdec demo > $OUT/demo-zen4-s31.txt 2>&1

@@ -18,6 +18,14 @@ class Sequences:
             self.tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # [B]
 
+    @classmethod
+    def widened(cls, other: "Sequences", columns: int, pad_token_id: int) -> "Sequences":
+        """A copy of ``other`` with ``columns`` more of capacity (a scratch copy that can grow apart)."""
+        copy = cls.__new__(cls)
+        copy.tokens = torch.cat([other.tokens, other.tokens.new_full((other.batch_size, columns), pad_token_id)], 1)
+        copy.lengths = other.lengths.clone()
+        return copy
+
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]

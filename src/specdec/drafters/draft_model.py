@@ -267,14 +267,13 @@ class DraftModelSession:
         what drafting one token a pass drafts there as long as the guesses before it agree, so a row keeps
         its leading agreeing guesses and the argmax after them; the cache keeps those guesses, and that
         last argmax is the next pass's unseen token. ``p_min`` cuts each draft as the one-token loop does."""
-        batch, device, spare = seqs.batch_size, seqs.tokens.device, k + self.staged_guesses + 1
-        context = Sequences.__new__(Sequences)  # the committed tokens and the drafts so far: what the guesser reads
-        context.tokens = torch.cat([seqs.tokens, seqs.tokens.new_full((batch, spare), self.pad)], dim=1)
-        context.lengths = seqs.lengths.clone()
-        drafts = torch.zeros(batch, spare, dtype=torch.long, device=device)
+        batch, device = seqs.batch_size, seqs.tokens.device
+        # the committed tokens and the drafts so far, what the guesser reads (room for a pass past k)
+        context = Sequences.widened(seqs, k + self.staged_guesses + 1, self.pad)
+        drafts = torch.zeros(batch, k, dtype=torch.long, device=device)
         counts = torch.zeros(batch, dtype=torch.long, device=device)
         going = torch.ones(batch, dtype=torch.bool, device=device)  # below k drafts and not cut by p_min
-        rows, columns = torch.arange(batch, device=device)[:, None], torch.arange(spare, device=device)
+        rows, columns = torch.arange(batch, device=device)[:, None], torch.arange(k + 1, device=device)
         unseen, unseen_valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
         while True:
             width = min(self.staged_guesses, int(torch.where(going, k - counts, 0).max()) - 1)  # no guess past k

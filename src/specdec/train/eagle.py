@@ -123,7 +123,11 @@ class Objective:
     def loss(self, net: eagle.EagleNet, batch) -> torch.Tensor:
         tokens, valid = batch
         c = self.config
-        features, logits = self.frozen.run(tokens, valid, self.layers, rows=self.rows)  # [B, T, F], [B, T, V]
+        if net.config.version == 3:  # the target's logits over the draft vocabulary only, and its choice
+            features, logits, choice = self.frozen.run(tokens, valid, self.layers, rows=net.draft_ids(), choice=True)
+            in_vocab_all = net.t2d[choice.clamp(min=0)].float()                     # [B, T]
+        else:
+            features, logits = self.frozen.run(tokens, valid, self.layers, rows=self.rows)  # [B, T, F], [B, T, V]
         pairs = tokens.shape[1] - 1
         inputs = features[:, :pairs]
         steps = c.ttt_steps if net.config.version == 3 else 1
@@ -131,9 +135,6 @@ class Objective:
             scale = c.noise * 512 / tokens.shape[1]
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * scale
         outputs = net.rollout(self.embeds(tokens, steps, pairs), inputs, steps)
-        if net.config.version == 3:  # the target's choice and its logits over the draft vocabulary, once
-            in_vocab_all = net.t2d[logits.argmax(-1)].float()      # [B, T]
-            logits = logits[..., net.draft_ids()]                  # [B, T, V_draft]
         total = 0.0
         for step, out in enumerate(outputs):
             mask = shifted(valid, 1 + step, pairs, False).float()  # [B, N] the target logits exist
@@ -161,12 +162,12 @@ class Objective:
         for start in range(0, held.tokens.shape[0], 8):
             rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
             tokens, valid = held.batch(rows)
-            features, logits = self.frozen.run(tokens, valid, self.layers)
+            features, _, choice = self.frozen.run(tokens, valid, self.layers, rows=tokens.new_zeros(0), choice=True)
             pairs = tokens.shape[1] - 1
             outputs = net.rollout(self.embeds(tokens, depth, pairs), features[:, :pairs], depth)
             ids = self.draft_ids(net)
             drafts = torch.stack([ids[net.logits(out, self.head).argmax(-1)] for out in outputs], -1)
-            truth = torch.stack([shifted(logits.argmax(-1), 1 + i, pairs, -1) for i in range(depth)], -1)
+            truth = torch.stack([shifted(choice, 1 + i, pairs, -1) for i in range(depth)], -1)
             anchors = anchor_mask(valid, held.prompt_len[rows], pairs, depth)
             counts = leading_matches(drafts == truth)  # [b, N]
             accepted.append(counts[anchors])

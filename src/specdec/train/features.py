@@ -511,28 +511,36 @@ class FrozenTarget:
 
     def head_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
         """Those rows of the head (all: None), gathered once for a run that asks for the same rows each step."""
-        if rows is not self._rows[0]:
+        kept = self._rows[0]
+        if not (rows is kept or (rows is not None and kept is not None and torch.equal(rows, kept))):
             self._rows = (rows, self.head if rows is None else self.head[rows].contiguous())
         return self._rows[1]
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor | None = None,
-            rows: torch.Tensor | None = None):
+            rows: torch.Tensor | None = None, choice: bool = False):
         """(features [B, T, len(layers) * H] concatenated in order, logits [B, T, V]); with ``at`` [B, M]
         (positions, < T) the logits there only, [B, M, V] (a cached batch then skips the others' products);
-        with ``rows`` (token ids) only those logits, [B, T, len(rows)]."""
+        with ``rows`` (token ids) only those logits, [B, T, len(rows)]; ``choice``: a third item, the
+        target's argmax over its whole vocabulary [B, T] (a cache's ``choices``: no product with the
+        rows left out)."""
         found = self.cache.lookup(tokens, layers) if self.cache is not None else None
         if found is not None:
             features, final = found
+            chosen = self.cache.choice(tokens) if choice else None
+            if choice and (chosen is None or at is not None):
+                chosen = (final @ self.head.t()).argmax(-1)
             if at is not None:
                 final = final.gather(1, at[:, :, None].expand(-1, -1, final.shape[2]))
-            return features, final @ self.head_rows(rows).t()
+            logits = final @ self.head_rows(rows).t()
+            return (features, logits, chosen) if choice else (features, logits)
         out = self.model(input_ids=tokens, attention_mask=valid.long(), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        chosen = out.logits.argmax(-1) if choice else None
         logits = out.logits.float() if rows is None else out.logits[..., rows].float()
         if at is not None:
             logits = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[2]))
-        return features, logits
+        return (features, logits, chosen) if choice else (features, logits)
 
 
 class FeatureCache:
@@ -555,6 +563,7 @@ class FeatureCache:
         self.layers = tuple(sorted(set(layers) | {num_layers}))
         self.final = self.layers.index(num_layers)
         self.arrays: dict[str, "np.memmap"] = {}
+        self.choices: dict[str, torch.Tensor] = {}  # the target's argmax per set [N, T] (build)
         self.rows = {seqs.tokens[row].numpy().tobytes(): (name, row)
                      for name, seqs in sets.items() for row in range(seqs.tokens.shape[0])}
 
@@ -663,7 +672,42 @@ class FeatureCache:
                 done.add(start)
                 write_text_atomic(done_path, json.dumps(sorted(done)))
             self.arrays[name] = np.memmap(path, dtype=np.int16, mode="r", shape=self._shape(name))
+            self.choices[name] = self._choices(name, target_dir, log)
         return time.monotonic() - started
+
+    def _choices(self, name: str, target_dir: Path, log: Callable[[str], None]) -> torch.Tensor:
+        """The target's choice (argmax over its whole vocabulary) at every real position of set ``name``
+        [N, T] (-1 at padding), from the cached final states and the head, computed once and kept as
+        ``<set>.choices`` beside ``<set>.tokens``'s digest: objectives that learn over a draft vocabulary
+        then take the target's logits over that vocabulary only, yet still know its choice."""
+        import json
+
+        from tqdm import tqdm
+
+        from specdec.models.kernels import fast_bfloat16
+
+        path, digest = self.folder / f"{name}.choices.npy", self.folder / f"{name}.choices.tokens"
+        if path.is_file() and digest.is_file() and digest.read_text() == self.digest(name):
+            return torch.from_numpy(np.load(path)).long()
+        from specdec.train.distill import load_frozen_target
+
+        seqs, final = self.sets[name], self.arrays[name]
+        head = load_frozen_target(target_dir).get_output_embeddings().weight.detach()
+        dtype = torch.bfloat16 if fast_bfloat16() else torch.float32
+        out = torch.full(tuple(seqs.tokens.shape), -1, dtype=torch.int32)
+        step = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
+        for start in tqdm(range(0, seqs.tokens.shape[0], step), desc=f"choices {name}", unit="chunk"):
+            rows = slice(start, start + step)
+            real = seqs.batch(torch.arange(seqs.tokens.shape[0])[rows])[1]         # [n, T] bool
+            states = torch.from_numpy(np.array(final[rows, :, self.final])).view(torch.bfloat16)[real]
+            with torch.no_grad():
+                out[rows][real] = (states.to(dtype) @ head.to(dtype).t()).argmax(-1).int()
+        np.save(path.with_suffix(".tmp.npy"), out.numpy())
+        os.replace(path.with_suffix(".tmp.npy"), path)
+        write_text_atomic(digest, self.digest(name))
+        log(f"[features] {name}: the target's choices at {int((out >= 0).sum())} positions -> {path.name}"
+            f" ({json.dumps(list(out.shape))})")
+        return out.long()
 
     def lookup(self, tokens: torch.Tensor, layers: tuple[int, ...]):
         """(features [B, T, len(layers) * H], final normed state [B, T, H]) in float32, or None when a
@@ -676,6 +720,14 @@ class FeatureCache:
         picked = [self.layers.index(layer) for layer in layers]
         features = stacked[:, :, picked].flatten(2)
         return features, stacked[:, :, self.final]
+
+    def choice(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The target's argmax over its vocabulary [B, T] at the rows' positions (-1 at padding), or None
+        when a row is not cached."""
+        found = [self.rows.get(row.numpy().tobytes()) for row in tokens]
+        if any(item is None or item[0] not in self.choices for item in found):
+            return None
+        return torch.stack([self.choices[name][row] for name, row in found])
 
 
 def layer_states(model, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...],
