@@ -904,7 +904,6 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults).
     ``several``: other folders of the method were measured too; only this folder's rows (their labels name
     it, ``drafter_note``) count."""
-    from specdec.models.files import write_atomic
     from specdec.models.kernels import cpu_summary
 
     # A draft model staged on retrieval needs its datastore, which a folder's record cannot name: not recorded.
@@ -915,16 +914,14 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
     if best is None:
         return None
     from specdec.backends.target import resolve_model
+    from specdec.drafters.base import record_setting
 
-    path = Path(resolve_model(folder)) / "config.json"  # a real model's name or a GGUF file: its folder
-    config = json.loads(path.read_text())
     choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
               **({"p_min": best["p_min"]} if best.get("p_min") else {}),
               **({"staged": best["staged"], "staged_guesses": best["staged_guesses"]} if best.get("staged") else {}),
               "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,
               "cpu": cpu_summary()}
-    config.setdefault("specdec", {})["defaults"] = choice
-    write_atomic(path, json.dumps(config, indent=2) + "\n")
+    path = record_setting(resolve_model(folder), choice)  # a real model's name or a GGUF file: its folder
     print(f"recorded in {path}: {best['method']} ({choice['speedup_vs_plain']:.2f}x plain)", file=sys.stderr)
     return choice
 

@@ -8,6 +8,7 @@ two protocols; it never branches on which drafter it drives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -180,6 +181,21 @@ def recorded_setting(folder: str) -> dict:
     except (OSError, ValueError, AttributeError):
         return {}
     return best if isinstance(best, dict) else {}
+
+
+def record_setting(folder, setting: dict, replace: bool = True) -> Path:
+    """Write ``setting`` as the drafter folder's measured-fastest setting (config.json's ``specdec.defaults``,
+    what ``recorded_setting`` reads), atomically; ``replace=False``: only where it records none. Returns the file."""
+    import json
+
+    from specdec.models.files import write_atomic
+
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    if replace or not (config.get("specdec") or {}).get("defaults"):
+        config.setdefault("specdec", {})["defaults"] = setting
+        write_atomic(path, json.dumps(config, indent=2) + "\n")
+    return path
 
 
 def recorded_defaults(folder: str) -> tuple[int | None, TreeConfig | None]:

@@ -89,22 +89,10 @@ def real_model_dir(name: str) -> Path:
             (link_folder if spec.quantized else build_folder)(gguf_file, folder, extra={"package": spec.package})
         except SpecdecError as error:
             raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
-    if spec.draft_defaults:
-        record_setting(folder / "config.json", spec.draft_defaults)
+    if spec.draft_defaults:  # as bench --record records a drafter's fastest setting, unless this machine's did
+        from specdec.drafters.base import record_setting
+        record_setting(folder, spec.draft_defaults, replace=False)
     return folder
-
-
-def record_setting(config_file: Path, setting: dict) -> None:
-    """``setting`` as the folder's measured-fastest drafting setting (config.json's ``specdec.defaults``),
-    unless it records one already (``bench --record`` on this machine): written once, atomically."""
-    import json
-
-    from specdec.models.files import write_atomic
-
-    config = json.loads(config_file.read_text())
-    if not (config.get("specdec") or {}).get("defaults"):
-        config.setdefault("specdec", {})["defaults"] = setting
-        write_atomic(config_file, json.dumps(config, indent=2) + "\n")
 
 
 def zoo_path(name: str) -> Path:
