@@ -69,6 +69,24 @@ def test_committed_drafters_equal_plain_decoding(real_dir, prompts, dtype):
             assert out.stats.mean_accepted_length > 1.0, (folder.name, settings, out.stats.mean_accepted_length)  # it drafts some of what the target says
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_shipped_file_drafts_staged_at_its_recorded_setting_and_equals_plain_decoding(real_dir, prompts, dtype):
+    """The Q4_1 file drafting for its float model at its recorded setting (k = 8, staged on prompt lookup): the
+    output is plain decoding's, and the drafts are the ones it makes alone."""
+    from specdec.drafters import DraftModel
+
+    torch.set_num_threads(2)
+    target = specdec.load_target(real_dir, dtype=dtype)
+    ids = target.encode(prompts)
+    plain = specdec.generate(target, ids, max_new_tokens=24).token_ids
+    recorded = DraftModel(f"{REAL}-q4_1")
+    assert (recorded.default_draft_tokens, recorded.staged_name) == (8, "prompt-lookup")
+    alone = specdec.generate(target, ids, drafter=DraftModel(f"{REAL}-q4_1", staged="none"), num_draft_tokens=8,
+                             max_new_tokens=24)
+    out = specdec.generate(target, ids, drafter=recorded, max_new_tokens=24)
+    assert out.token_ids == plain and out.stats.accepted_histogram == alone.stats.accepted_histogram
+
+
 def test_wrong_target_and_bad_folders_are_refused(real_dir, tmp_path, capsys):
     folder = data_dir() / REAL / "eagle3"
     zoo_target = specdec.load_target(zoo_path("target"))
