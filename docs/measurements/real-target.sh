@@ -696,7 +696,7 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 
 # ---- thirty-first session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
 # a staged draft model: the Q4_1 file checks prompt lookup's or retrieval's guesses several a pass
-python docs/measurements/staged_passes.py 3 8 4 > $OUT/staged-passes-zen4-s31.txt
+python docs/measurements/staged_passes.py 3 8 3 > $OUT/staged-passes-zen4-s31.txt
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   --draft smollm2-135m-q4_1 -k 4 6 8 10 --draft-staged none prompt-lookup retrieval --drafters retrieval \
   --no-transformers --threads 2 --output $OUT/staged-g4-zen4-s31.json   # G = 4, the default then
@@ -704,3 +704,15 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --draft smollm2-135m-q4_1 -k 6 8 10 --draft-staged none prompt-lookup retrieval --staged-guesses 3 \
   --no-transformers --threads 2 --output $OUT/staged-zen4-s31.json
 specdec demo > $OUT/demo-zen4-s31.txt 2>&1
+# EAGLE-3 continued on the faster trainer (the target's choices cached beside the features)
+cat > runs/s31/eagle3.json <<'JSON'
+{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256,
+ "generated_len": 192, "ttt_steps": 3, "optim": {"steps": 760, "lr": 3e-4, "warmup_steps": 20, "eval_every": 250}}
+JSON
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config runs/s31/eagle3.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s31/eagle3/out --ckpt-dir runs/s31/eagle3/ckpt --threads 2 --max-minutes 42
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.2 --drafters eagle3=runs/s31/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
+  --output $OUT/eagle3-s31-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; record_fastest(json.load(open('$OUT/eagle3-s31-zen4.json')), 'eagle3', 'runs/s31/eagle3/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s31/eagle3/out/{config.json,model.safetensors,training_summary.json} $D/eagle3/
