@@ -716,3 +716,4 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --output $OUT/eagle3-s31-zen4.json
 python -c "import json; from specdec.commands.bench import record_fastest; record_fastest(json.load(open('$OUT/eagle3-s31-zen4.json')), 'eagle3', 'runs/s31/eagle3/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s31/eagle3/out/{config.json,model.safetensors,training_summary.json} $D/eagle3/
+specdec demo > $OUT/demo-zen4-s31b.txt 2>&1   # again, with the continued EAGLE-3
