@@ -528,7 +528,7 @@ class FrozenTarget:
         if found is not None:
             features, final = found
             chosen = self.cache.choice(tokens) if choice else None
-            if choice and (chosen is None or at is not None):
+            if choice and chosen is None:  # a cache built without them
                 chosen = (final @ self.head.t()).argmax(-1)
             if at is not None:
                 final = final.gather(1, at[:, :, None].expand(-1, -1, final.shape[2]))
@@ -677,11 +677,9 @@ class FeatureCache:
 
     def _choices(self, name: str, target_dir: Path, log: Callable[[str], None]) -> torch.Tensor:
         """The target's choice (argmax over its whole vocabulary) at every real position of set ``name``
-        [N, T] (-1 at padding), from the cached final states and the head, computed once and kept as
-        ``<set>.choices`` beside ``<set>.tokens``'s digest: objectives that learn over a draft vocabulary
-        then take the target's logits over that vocabulary only, yet still know its choice."""
-        import json
-
+        [N, T] (-1 at padding), from the cached final states and the head, computed once and kept in
+        ``<set>.choices.npy`` with the digest of the set's tokens it was computed for: objectives that learn
+        over a draft vocabulary then take the target's logits over that vocabulary only, yet know its choice."""
         from tqdm import tqdm
 
         from specdec.models.kernels import fast_bfloat16
@@ -692,8 +690,8 @@ class FeatureCache:
         from specdec.train.distill import load_frozen_target
 
         seqs, final = self.sets[name], self.arrays[name]
-        head = load_frozen_target(target_dir).get_output_embeddings().weight.detach()
         dtype = torch.bfloat16 if fast_bfloat16() else torch.float32
+        head = load_frozen_target(target_dir).get_output_embeddings().weight.detach().to(dtype)
         out = torch.full(tuple(seqs.tokens.shape), -1, dtype=torch.int32)
         step = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
         for start in tqdm(range(0, seqs.tokens.shape[0], step), desc=f"choices {name}", unit="chunk"):
@@ -701,12 +699,11 @@ class FeatureCache:
             real = seqs.batch(torch.arange(seqs.tokens.shape[0])[rows])[1]         # [n, T] bool
             states = torch.from_numpy(np.array(final[rows, :, self.final])).view(torch.bfloat16)[real]
             with torch.no_grad():
-                out[rows][real] = (states.to(dtype) @ head.to(dtype).t()).argmax(-1).int()
+                out[rows][real] = (states.to(dtype) @ head.t()).argmax(-1).int()
         np.save(path.with_suffix(".tmp.npy"), out.numpy())
         os.replace(path.with_suffix(".tmp.npy"), path)
         write_text_atomic(digest, self.digest(name))
-        log(f"[features] {name}: the target's choices at {int((out >= 0).sum())} positions -> {path.name}"
-            f" ({json.dumps(list(out.shape))})")
+        log(f"[features] {name}: the target's choices at {int((out >= 0).sum())} positions -> {path.name}")
         return out.long()
 
     def lookup(self, tokens: torch.Tensor, layers: tuple[int, ...]):
