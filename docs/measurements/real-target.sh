@@ -717,3 +717,6 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python -c "import json; from specdec.commands.bench import record_fastest; record_fastest(json.load(open('$OUT/eagle3-s31-zen4.json')), 'eagle3', 'runs/s31/eagle3/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s31/eagle3/out/{config.json,model.safetensors,training_summary.json} $D/eagle3/
 specdec demo > $OUT/demo-zen4-s31b.txt 2>&1   # again, with the continued EAGLE-3
+specdec bench --target smollm2-135m --dtype float32 --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 8 10 --draft-staged none prompt-lookup retrieval --no-transformers --threads 2 \
+  --output $OUT/staged-f32-zen4-s31.json   # a float32 target
