@@ -267,6 +267,11 @@ def check_p_min(p_min: float | None, folder: str | None = None) -> float | None:
     return float(p_min) or None
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """[...] the probability a drafter's logits [..., V] give their most likely token: what a p_min cut reads."""
+    return torch.softmax(logits.float(), -1).amax(-1)
+
+
 class ConfidenceStop:
     """llama.cpp's ``--draft-p-min`` for drafters that draft one token at a time: a row stops at the first
     draft whose most likely token the drafter gives less than ``p_min`` (that draft is not proposed), and
@@ -287,7 +292,7 @@ class ConfidenceStop:
         else logits [B, V] of the drafter) for the rows still drafting and keep it; False, keeping nothing,
         when no row is sure enough of it."""
         if self.p_min is not None:
-            top = probs.amax(-1) if probs is not None else torch.softmax(logits.float(), -1).amax(-1)
+            top = probs.amax(-1) if probs is not None else top_probability(logits)
             self.going &= top >= self.p_min
             if not bool(self.going.any()):
                 return False

@@ -19,7 +19,7 @@ from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
 from specdec.drafters.base import (ConfidenceStop, DecodeContext, Proposal, check_p_min, cut_label, draft_from,
                                    over_vocabulary, read_draft_vocabulary, recorded_defaults,
-                                   recorded_setting)
+                                   recorded_setting, top_probability)
 from specdec.drafters.tree import dynamic_tree
 from specdec.backends.target import Target, load_backend, resolve_model
 
@@ -290,8 +290,7 @@ class DraftModelSession:
             kept = ((chosen[:, :width] == guesses) & guessed).long().cumprod(1).sum(1)  # leading agreeing guesses
             new = torch.minimum(kept + 1, k - counts) * going
             if self.p_min is not None:  # each draft's own top probability, as ConfidenceStop reads it
-                top = torch.softmax(self._fit_vocab(logits.float()), -1).amax(-1)  # [B, width + 1]
-                sure = (top >= self.p_min).long().cumprod(1).sum(1)
+                sure = (top_probability(logits) >= self.p_min).long().cumprod(1).sum(1)
                 going &= sure >= new
                 new = torch.minimum(new, sure)
             placed = columns[:width + 1] < new[:, None]
