@@ -486,3 +486,46 @@ def test_steps_that_do_not_draft_defer_the_drafters_run_and_change_no_draft(mode
                 runs.append(list(proposals))
                 monkeypatch.setattr(base.DeferredObserve, "observe", deferred)
             assert runs[0] and runs[0] == runs[1], (drafter.name, tree, dtype)
+
+
+def test_a_named_method_takes_the_drafter_trained_for_its_target(model_dirs, capsys):
+    """Without --draft, generate, serve, bench and bench-serve take the zoo's drafter trained for the
+    target they run (a real model by its name, its Q4_1 file, the zoo's own target), and none trained for
+    another model: any other target is one line asking for --draft (nothing fetched or built here)."""
+    from specdec.commands.cli import main
+    from specdec.drafters.registry import default_folder
+    from specdec.zoo import data_dir
+
+    real = data_dir() / "smollm2-135m"
+    for target in ("smollm2-135m", "smollm2-135m-q4_1"):
+        assert default_folder("EAGLE3", target) == str(real / "eagle3")
+        assert default_folder("dspark", target) == str(real / "dspark")
+        assert default_folder("draft-model", target) == str(real / "draft")
+        assert default_folder("mtp", target) == str(real / "mtp")  # modules trained beside its frozen trunk
+        assert default_folder("prompt-lookup", target) is None and default_folder("early-exit", target) is None
+    zoo_target = data_dir() / "target"
+    assert default_folder("eagle3", zoo_target) == str(data_dir() / "eagle3")
+    assert default_folder("eagle3", str(zoo_target) + "/") == str(data_dir() / "eagle3")
+    assert default_folder("dspark", zoo_target) is None and default_folder("mtp", zoo_target) is None
+    for method in ("eagle3", "medusa", "draft-model", "mtp"):
+        assert default_folder(method, model_dirs["llama"]) is None
+    code = main(["generate", "--target", str(model_dirs["llama"]), "--drafter", "medusa", "--prompt", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs --draft DIR: the zoo holds no medusa trained for" in err[0]
+
+
+def test_drafter_classes_take_a_real_models_drafter_by_name():
+    """Eagle("smollm2-135m/eagle3") and its siblings load the committed folder, as load_target("smollm2-135m")
+    loads the model by name (nothing fetched: the folders are in the package)."""
+    from specdec.drafters import DFlash, DSpark, Eagle, Medusa, MTP
+    from specdec.zoo import ZooError, data_dir
+
+    real = data_dir() / "smollm2-135m"
+    assert Eagle("smollm2-135m/eagle3").path == str(real / "eagle3")
+    assert Eagle("smollm2-135m-q4_1/eagle").path == str(real / "eagle")
+    assert DFlash("smollm2-135m/dflash").path == str(real / "dflash")
+    assert DSpark("smollm2-135m/dspark").path == str(real / "dspark")
+    assert Medusa("smollm2-135m/medusa").path == str(real / "medusa")
+    assert MTP(modules="smollm2-135m/mtp").modules == str(real / "mtp")
+    with pytest.raises(ZooError, match="no drafter 'nothing' is trained for smollm2-135m; trained: dflash"):
+        Eagle("smollm2-135m/nothing")

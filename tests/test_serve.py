@@ -292,3 +292,19 @@ def test_speculative_config_maps_to_the_drafter_flags():
                                       "--num-speculative-tokens-per-batch-size", "1:4,8:2,32:0"])
     resolve_models(args)
     assert args.draft == str(zoo_path("draft")) and args.per_batch_size == "static:1=4,8=2,32=0"
+
+
+def test_serve_takes_the_drafter_trained_for_a_named_real_target(tmp_path):
+    """`serve --target smollm2-135m --drafter eagle3` serves with smollm2-135m's own EAGLE-3 folder (resolved
+    by name, nothing fetched); a target the zoo trained nothing for needs --draft, in one line."""
+    from specdec.commands.cli import build_parser
+    from specdec.commands.serve import resolve_models
+    from specdec.errors import InvalidArgumentError
+    from specdec.zoo import data_dir
+
+    args = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--drafter", "eagle3"])
+    resolve_models(args)
+    assert args.draft == str(data_dir() / "smollm2-135m" / "eagle3")
+    args = build_parser().parse_args(["serve", "--target", str(tmp_path), "--drafter", "eagle3"])
+    with pytest.raises(InvalidArgumentError, match="needs --draft DIR"):
+        resolve_models(args)

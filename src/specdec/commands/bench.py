@@ -942,14 +942,17 @@ def parse_drafter(text: str, target: str | None = None) -> tuple[str, str]:
                                    f"self-drafting models (early-exit=DIR, mtp=DIR) and lookahead, got {name!r}"
                                    + (" (lookahead takes no folder)" if name == LOOKAHEAD else ""))
     if not folder:
+        from specdec.drafters.registry import default_folder
         from specdec.zoo import REAL_MODELS, zoo_path
         # A real target's MTP modules were trained on its frozen trunk and kept apart (smollm2-135m/mtp).
-        real = str(target) in REAL_MODELS and (not entry.zoo_variant or name == "mtp")
-        if not real and not (entry.zoo or entry.zoo_variant):
+        if str(target) in REAL_MODELS and (not entry.zoo_variant or name == "mtp"):
+            folder = default_folder(name, target)
+        elif entry.zoo or entry.zoo_variant:
+            folder = str(zoo_path(entry.zoo or entry.zoo_variant))
+        if not folder:
             raise InvalidArgumentError(f"--drafters {name} needs a folder here ({name}=DIR): the zoo has none for "
                                        f"this target" + (" (build a datastore with specdec datastore)"
                                                          if name == "retrieval" else ""))
-        folder = str(zoo_path(f"{target}/{entry.zoo or name}" if real else entry.zoo or entry.zoo_variant))
     return name, folder
 
 

@@ -82,11 +82,11 @@ def run_generate(args) -> int:
         if not all(isinstance(p, str) for p in prompts):
             raise InvalidArgumentError("--chat takes text prompts, not token ids")
         prompts = [[{"role": "user", "content": p}] for p in prompts]
-    from specdec.drafters.registry import REGISTRY
-    if REGISTRY[args.drafter].folder and not args.draft:
-        entry = REGISTRY[args.drafter]
-        raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR"
-                                   + (f" (the zoo's: specdec.zoo.zoo_path({entry.zoo!r}))" if entry.zoo else ""))
+    from specdec.drafters.registry import REGISTRY, default_folder, missing_folder
+    if not args.draft:  # the drafter trained for this target, where the zoo holds one
+        args.draft = default_folder(args.drafter, args.target)
+        if REGISTRY[args.drafter].folder and not args.draft:
+            raise missing_folder(args.drafter, args.target)
     check_draft_quantize(args, args.drafter)
     check_staged(args, args.drafter)
     check_output_path(args.output)

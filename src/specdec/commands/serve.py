@@ -87,7 +87,7 @@ def batch_size_table(text: str) -> str:
 
 def resolve_models(args) -> None:
     """Fill in from --speculative-config and the zoo: args.target, args.draft, args.drafter, args.k, n-grams."""
-    from specdec.drafters.registry import REGISTRY
+    from specdec.drafters.registry import REGISTRY, default_folder, missing_folder
 
     config = args.speculative_config or {}
     if config:
@@ -101,10 +101,10 @@ def resolve_models(args) -> None:
     if zoo_target:
         from specdec.zoo import zoo_path
         args.target = str(zoo_path(entry.zoo_variant or "target"))  # a self-drafter drafts for its own variant
-        if entry.folder and not args.draft and entry.zoo:
-            args.draft = str(zoo_path(entry.zoo))
-    if entry.folder and not args.draft:
-        raise InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR")
+    if not args.draft:  # the drafter trained for this target, where the zoo holds one
+        args.draft = default_folder(entry.name, args.target)
+        if entry.folder and not args.draft:
+            raise missing_folder(entry.name, args.target)
     check_draft_quantize(args, entry.name)
     check_staged(args, entry.name)
     for name in ("max_batch_size", "max_queue", "max_kv_tokens"):

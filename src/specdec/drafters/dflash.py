@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from specdec.backends.target import resolve_model
 from specdec.batch import Backlog, Sequences
 from specdec.errors import InvalidArgumentError
 from specdec.models import dflash, llama
@@ -44,9 +45,9 @@ class DFlash:
         one, computing only those rows of the target's head. ``quantize`` (q8_0, q4_0, q4_1): the network's
         matrices block-quantized at load, run with int8 activations (fewer bytes a step; the target's
         output is unchanged); None: the target's dtype, or Q8_0 beside a quantized target."""
-        self.path = str(path)
+        self.path = str(resolve_model(path))  # a folder, or a real model's drafter by name: smollm2-135m/dflash
         self.quantize = llama.check_drafter_quantize(quantize, f"{self.label} drafter")
-        self.net = self.load_net(path)
+        self.net = self.load_net(self.path)
         self.config = self.net.config
         self.vocabulary = read_draft_vocabulary(self.path, self.config.vocab_size) if draft_vocab else None
         trained = self.config.block_size

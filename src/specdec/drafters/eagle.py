@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from specdec.backends.target import resolve_model
 from specdec.batch import Sequences
 from specdec.errors import TargetMismatchWarning, UnsupportedModelError
 from specdec.models import eagle, kernels, llama
@@ -39,10 +40,10 @@ class Eagle:
         else none; 0: none. ``quantize`` (q8_0, q4_0, q4_1): the network's matrices block-quantized at load
         and run with int8 activations (fewer bytes a draft; the target's output is unchanged); None: the
         target's dtype, or Q8_0 beside a quantized target."""
-        self.path = str(path)
+        self.path = str(resolve_model(path))  # a folder, or a real model's drafter by name: smollm2-135m/eagle3
         self.p_min = check_p_min(p_min, self.path)
         self.quantize = llama.check_drafter_quantize(quantize, "EAGLE drafter")
-        self.net = eagle.load_net(path, expect_version=version)
+        self.net = eagle.load_net(self.path, expect_version=version)
         self.config = self.net.config
         self.vocabulary = None
         if self.config.version == 1 and draft_vocab:

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from specdec.backends.target import resolve_model
 from specdec.batch import Sequences
 from specdec.errors import InvalidArgumentError, UnsupportedModelError
 from specdec.models import medusa
@@ -28,8 +29,8 @@ class Medusa:
     def __init__(self, path: str | os.PathLike, choices=None, draft_vocab: bool = True):
         """``draft_vocab``: heads that end in the target's head read the folder's draft vocabulary (``specdec
         train draft-vocab``) when it has one; False: the whole head."""
-        self.path = str(path)
-        self.net = medusa.load_net(path)
+        self.path = str(resolve_model(path))  # a folder, or a real model's drafter by name: smollm2-135m/medusa
+        self.net = medusa.load_net(self.path)
         self.config = self.net.config
         self.vocabulary = None
         if self.config.original_lm_head and draft_vocab:

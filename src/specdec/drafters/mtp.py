@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.backends.target import resolve_model
 from specdec.batch import Sequences
 from specdec.drafters.base import (ConfidenceStop, DecodeContext, DeferredObserve, FeatureSpec, Proposal,
                                    TargetFeatures, check_p_min, cut_label, draft_from, read_draft_vocabulary,
@@ -45,7 +46,7 @@ class MTP:
         if depth is not None and int(depth) < 1:
             raise DrafterMismatchError(f"MTP depth must be >= 1, got {depth}")
         self.depth = None if depth is None else int(depth)
-        self.modules = None if modules is None else str(modules)
+        self.modules = None if modules is None else str(resolve_model(modules))  # or by name: smollm2-135m/mtp
         if self.modules is not None:
             self._record, self._config = modules_record(self.modules)
             self.default_draft_tokens, _ = recorded_defaults(self.modules)  # bench --record's fastest k

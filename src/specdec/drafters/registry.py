@@ -75,9 +75,8 @@ def _lookahead(folder, options):
 
 
 def _retrieval(folder, options):
-    from specdec.backends.target import resolve_model
     from specdec.drafters.retrieval import Retrieval
-    return Retrieval(resolve_model(folder))  # a folder, or a real model's name: smollm2-135m/retrieval
+    return Retrieval(folder)  # a folder, or a real model's datastore by name: smollm2-135m/retrieval
 
 
 def _medusa(folder, options):
@@ -171,6 +170,26 @@ def argument_type(value: str) -> str:
         return resolve(value)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def default_folder(name: str, target) -> str | None:
+    """The folder ``--drafter name`` takes when no --draft is given: the zoo's drafter trained for
+    ``target`` (``zoo.trained_drafter``: a real model's own, or the zoo target's), for the methods that need
+    a folder and for MTP modules kept apart from a real target; None otherwise."""
+    entry = REGISTRY[resolve(name)]
+    if not entry.folder and entry.name != "mtp":
+        return None
+    from specdec.zoo import trained_drafter
+
+    folder = trained_drafter(target, entry.zoo or entry.name)
+    return None if folder is None else str(folder)
+
+
+def missing_folder(name: str, target) -> InvalidArgumentError:
+    """The one line for a method that needs a folder when neither --draft nor the zoo gives one."""
+    entry = REGISTRY[resolve(name)]
+    return InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR: the zoo holds no {entry.name} trained "
+                                f"for {target} (the zoo's target and smollm2-135m have theirs)")
 
 
 def build(name: str, folder=None, options=None):

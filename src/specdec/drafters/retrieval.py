@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from specdec.backends.target import resolve_model
 from specdec.batch import Sequences
 from specdec.drafters.base import DecodeContext, Proposal, StatelessSession, TreeConfig, recorded_defaults
 from specdec.drafters.prompt_lookup import lookup_many, tree_proposal
@@ -253,7 +254,7 @@ class Retrieval:
         given = self.datastore if isinstance(self.datastore, (list, tuple)) else [self.datastore]
         if not given:
             raise InvalidArgumentError("retrieval needs at least one datastore")
-        stores = tuple(item if isinstance(item, Datastore) else Datastore(item) for item in given)
+        stores = tuple(item if isinstance(item, Datastore) else Datastore(resolve_model(item)) for item in given)
         store = stores[0]  # its recorded setting and tokenizer record speak for all
         object.__setattr__(self, "store", store)
         object.__setattr__(self, "stores", stores)

@@ -105,13 +105,12 @@ def resolve_mode(mode: Mode, args, zoo_target: bool) -> Mode:
                                    "one target, so give it as --drafter")
     folder = mode.folder
     if entry.folder and folder is None:
-        from specdec.zoo import REAL_MODELS, data_dir, zoo_path
-        target = str(getattr(args, "target", ""))
-        if target in REAL_MODELS and (data_dir() / target / entry.name).is_dir():
-            folder = str(zoo_path(f"{target}/{entry.name}"))  # the drafter trained for this real target
-        elif zoo_target and entry.zoo:
+        from specdec.drafters.registry import default_folder
+        from specdec.zoo import zoo_path
+        folder = default_folder(entry.name, str(getattr(args, "target", "")))  # the drafter trained for it
+        if folder is None and zoo_target and entry.zoo:
             folder = str(zoo_path(entry.zoo))
-        else:
+        elif folder is None:
             raise InvalidArgumentError(f"mode {mode.label}: {entry.name} needs its folder, as "
                                        f"{entry.name}=DIR@{mode.policy}")
     return dataclasses.replace(mode, folder=folder)

@@ -95,6 +95,24 @@ def real_model_dir(name: str) -> Path:
     return folder
 
 
+def trained_drafter(target, method: str) -> Path | None:
+    """The zoo's folder of the drafter ``method`` (its folder's name: draft, eagle3, dspark, mtp, retrieval,
+    ...) for ``target`` as a command line names it: for a real model named by its zoo name
+    (``smollm2-135m``, or its Q4_1 file) the one trained for it (``smollm2-135m/eagle3``; the retrieval
+    datastore is built on first use); for the zoo's own target folder the zoo's drafter; else None (a
+    drafter trained for another model would draft for the wrong one)."""
+    name = str(target)
+    if name in REAL_MODELS:
+        base = REAL_MODELS[name].drafters or name
+        if method == "retrieval" or (_DATA_DIR / base / method / "config.json").is_file():
+            return zoo_path(f"{name}/{method}")
+        return None
+    if method in DRAFTER_NAMES + ("draft",) and Path(name).exists() \
+            and Path(name).resolve() == (_DATA_DIR / "target").resolve():
+        return zoo_path(method)
+    return None
+
+
 def zoo_path(name: str) -> Path:
     """Folder of the zoo model ``name`` (a causal LM or a drafter); raises ZooError if unknown or missing.
 
