@@ -127,3 +127,60 @@ def test_cli_refuses_init_from_without_a_folder(method, tmp_path, capsys):
                  "--preset", "tiny", "--init-from", str(tmp_path / "nothing")])
     assert code == 2 and f"--init-from needs a trained {method} folder" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_training_over_a_draft_vocabulary_scores_the_rows_inference_drafts_from(method, tmp_path, capsys):
+    """A block drafter continued from a folder with draft_vocab.json is trained and evaluated over those rows
+    of the target's head (and of DSpark's Markov term) only, as it then drafts: with every id as the
+    vocabulary the loss is the whole head's; with half of them the offline metric is what inference,
+    drafting from those rows, accepts, and a continued run says so and keeps the file."""
+    import json
+    import shutil
+
+    from specdec.drafters import DSpark
+    from specdec.drafters.base import DRAFT_VOCAB_FILE
+    from specdec.train import dspark as tsp
+    from specdec.train.features import FrozenTarget, heldout_data
+
+    trainer, kind = (td, DFlash) if method == "dflash" else (tsp, DSpark)
+    folder = tmp_path / "out"
+    assert main(["train", method, "--target", str(zoo_path("target")), "--preset", "tiny", "--out", str(folder)]) == 0
+    target = specdec.load_target(zoo_path("target"), backend="native")
+    held = heldout_data(zoo_path("target"), target.fingerprint(), tmp_path / "held", 4, 8, 0, lambda m: None)
+    net = kind(folder).net
+    frozen, config, vocab = FrozenTarget(zoo_path("target")), trainer.PRESETS["tiny"], target.vocab_size
+    tokens, valid = held.batch(torch.arange(4))
+    anchors, ok = td.sample_anchors(valid, held.prompt_len[:4], 4, torch.Generator().manual_seed(0))
+    batch = (tokens, valid, anchors, ok)
+    whole = trainer.Objective(config, frozen, net.config).loss(net, batch)
+    every = trainer.Objective(config, frozen, net.config, torch.arange(vocab)).loss(net, batch)
+    assert float(every.detach()) == pytest.approx(float(whole.detach()), rel=1e-4)
+
+    # the zoo's trained DFlash accepts long runs, which half the vocabulary cuts short; the tiny DSpark
+    # run accepts little, but its metric still walks the Markov term's rows as inference does
+    source = zoo_path("dflash") if method == "dflash" else folder
+    half = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[: vocab // 2].sort().values
+    vocab_folder = shutil.copytree(source, tmp_path / "vocab")
+    (vocab_folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": half.tolist()}))
+    drafter = kind(vocab_folder, block_size=4)
+    metric = trainer.Objective(config, frozen, drafter.config, half).evaluate(drafter.net, held, (4,))
+    if method == "dflash":
+        whole_metric = trainer.Objective(config, frozen, drafter.config).evaluate(drafter.net, held, (4,))
+        assert metric["b4_tau"] < whole_metric["b4_tau"] - 0.05
+    steps = tokens_out = 0
+    for row in range(held.tokens.shape[0]):
+        start, length = int(held.prompt_len[row]), int(held.lengths[row])
+        out = specdec.generate(target, [held.tokens[row, :start].tolist()], drafter=drafter,
+                               max_new_tokens=length - start)
+        assert out.token_ids[0] == held.tokens[row, start:length].tolist()
+        steps += out.stats.verify_steps
+        tokens_out += out.stats.tokens_from_steps
+    assert tokens_out / steps == pytest.approx(metric["b4_tau"], rel=0.03)
+
+    capsys.readouterr()
+    (tmp_path / "more.json").write_text(json.dumps({"optim": {"steps": 2, "eval_every": 100}}))
+    assert main(["train", method, "--target", str(zoo_path("target")), "--preset", "tiny", "--config",
+                 str(tmp_path / "more.json"), "--init-from", str(vocab_folder), "--out", str(tmp_path / "more")]) == 0
+    assert f"drafts scored over the {vocab // 2:,} rows of the draft vocabulary" in capsys.readouterr().out
+    assert json.loads((tmp_path / "more" / DRAFT_VOCAB_FILE).read_text())["ids"] == half.tolist()

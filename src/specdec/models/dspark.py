@@ -120,11 +120,14 @@ class DSparkNet(dflash.DFlashNet):
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(config)
 
-    def markov(self, hidden: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def markov(self, hidden: torch.Tensor, previous: torch.Tensor, rows: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the Markov term [.., V] added to the head's logits, the previous tokens' rank-r codes [.., r])
-        for normed block outputs hidden [.., H] and the tokens before each slot ``previous`` [..]."""
+        for normed block outputs hidden [.., H] and the tokens before each slot ``previous`` [..]; with
+        ``rows`` (a draft vocabulary's target ids) the term of those rows only, [.., len(rows)]."""
         code = self.markov_head.markov_w1(previous)
-        term = self.markov_head.markov_w2(code)
+        weight = self.markov_head.markov_w2.weight
+        term = F.linear(code, weight if rows is None else weight[rows])
         if self.config.markov_head_type == "gated":
             term = term * torch.sigmoid(self.markov_head.gate(torch.cat([hidden, code.to(hidden.dtype)], -1)))
         return term, code

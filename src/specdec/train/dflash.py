@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.drafters.base import read_draft_vocabulary
 from specdec.errors import SpecdecError
 from specdec.models import dflash
 from specdec.train import config as train_config
@@ -129,29 +130,40 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 class Objective:
-    """Loss and offline metric of DFlash, given the frozen target."""
+    """Loss and offline metric of DFlash, given the frozen target. With ``rows`` (the draft vocabulary a
+    continued folder drafts from: its target ids) the drafts are scored over those rows of the target's
+    head only, as the drafter then drafts, and the loss takes the target's distribution over them: a sixth
+    of the head's products for an 8,192-token vocabulary of 49,152."""
 
-    def __init__(self, config: DFlashTrainConfig, frozen: FrozenTarget, net_config: dflash.DFlashConfig):
-        self.config, self.frozen, self.net_config = config, frozen, net_config
+    def __init__(self, config: DFlashTrainConfig, frozen: FrozenTarget, net_config: dflash.DFlashConfig,
+                 rows: torch.Tensor | None = None):
+        self.config, self.frozen, self.net_config, self.rows = config, frozen, net_config, rows
         self.layers = net_config.hidden_layers()
+        self.head = frozen.head_rows(rows)
 
-    def outputs(self, net: dflash.DFlashNet, tokens, valid, anchors, block_size: int):
-        """(draft logits [b, N, B-1, V], target logits [b, T, V]) of every block at ``anchors``."""
-        features, logits = self.frozen.run(tokens, valid, self.layers)
+    def ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target ids of indices into the scored rows."""
+        return index if self.rows is None else self.rows[index]
+
+    def outputs(self, net: dflash.DFlashNet, tokens, valid, anchors, block_size: int, at: torch.Tensor | None = None):
+        """(draft logits [b, N, B-1, V] over the scored rows, the target's logits over the same rows at
+        positions ``at`` [b, M] as [b, M, V], or None without ``at``) of every block at ``anchors``."""
+        features, logits = self.frozen.run(tokens, valid, self.layers, at=at if at is not None else anchors[:, :0],
+                                           rows=self.rows)
         ids = dflash.block_inputs(tokens, anchors, block_size, self.net_config.mask_token_id)
         out = net.blocks(features, F.embedding(ids, self.frozen.embed), anchors)
-        return out[:, :, 1:] @ self.frozen.head.t(), logits
+        return out[:, :, 1:] @ self.head.t(), (logits if at is not None else None)
 
     def loss(self, net: dflash.DFlashNet, batch) -> torch.Tensor:
         tokens, valid, anchors, ok = batch
         size = self.net_config.block_size
-        draft, logits = self.outputs(net, tokens, valid, anchors, size)       # [b, N, B-1, V], [b, T, V]
         slots = torch.arange(1, size)
         source = anchors[:, :, None] + slots - 1                                 # logits predicting anchor + k
         exists = (source + 1 < valid.sum(1)[:, None, None]) & ok[:, :, None]    # [b, N, B-1]
         b, n, _ = source.shape
-        target = logits.gather(1, source.clamp(max=tokens.shape[1] - 1).reshape(b, -1, 1).expand(
-            -1, -1, logits.shape[-1])).view(b, n, size - 1, -1)
+        at = source.clamp(max=tokens.shape[1] - 1).reshape(b, -1)
+        draft, target = self.outputs(net, tokens, valid, anchors, size, at)     # [b, N, B-1, V], [b, N (B-1), V]
+        target = target.view(b, n, size - 1, -1)
         ce = -(torch.softmax(target, -1) * torch.log_softmax(draft, -1)).sum(-1)  # [b, N, B-1]
         weight = slot_weights(size, self.config.gamma)[1:] * exists.float()
         return (ce * weight).sum() / weight.sum().clamp(min=1e-9)
@@ -176,7 +188,7 @@ class Objective:
                 anchors = (prompt_len[:, None] + torch.arange(generated)).clamp(max=length - 1)  # generated positions
                 ok = anchors + 1 < valid.sum(1, keepdim=True)
                 draft, _ = self.outputs(net, tokens, valid, anchors, size)
-                guess = draft.argmax(-1)                                           # [b, N, B-1]
+                guess = self.ids(draft.argmax(-1))                                 # [b, N, B-1]
                 label = anchors[:, :, None] + torch.arange(1, size)
                 truth = tokens.gather(1, label.clamp(max=length - 1).reshape(len(rows), -1)).view_as(guess)
                 real = label < valid.sum(1)[:, None, None]
@@ -264,7 +276,10 @@ def train_blocks(method: BlockMethod, config, target_dir: Path, out_dir: Path, *
                                                     **method.config_options(config))
         net = method.network(net_config)
     frozen = run.frozen(net_config.hidden_layers())
-    objective = method.objective(config, frozen, net_config)
+    rows = read_draft_vocabulary(config.init_from, net_config.vocab_size) if config.init_from else None
+    if rows is not None:
+        log(f"[{kind}] drafts scored over the {rows.numel():,} rows of the draft vocabulary of {config.init_from}")
+    objective = method.objective(config, frozen, net_config, rows)
     run_config = {"kind": kind, kind: config_to_dict(config), "target": target.fingerprint()}
     result = run_loop(model=net, config=config.optim, batch_fn=batch_maker(run, salt=31), loss_fn=objective.loss,
                       tokens_in=lambda batch: int(batch[3].sum()) * net_config.block_size,
@@ -305,5 +320,6 @@ def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequ
     sizes = (2, 4, 8, 16, 32) if method is DFLASH else (1, 4, 7, 8, 16, 32)  # a DFlash block of B drafts B - 1
     blocks = tuple(b for b in sizes if b <= net.config.block_size)
     config = method.from_dict({"eval_blocks": list(blocks)})
-    objective = method.objective(config, FrozenTarget(target_dir), net.config)
+    rows = read_draft_vocabulary(str(path), net.config.vocab_size)  # the rows it drafts from, as inference does
+    objective = method.objective(config, FrozenTarget(target_dir), net.config, rows)
     return objective.evaluate(net, held)

@@ -88,12 +88,12 @@ class Objective(block_training.Objective):
     """DSpark's loss and offline metric (the frozen target and the block pass are DFlash's)."""
 
     def blocks(self, net: dspark.DSparkNet, tokens, valid, anchors, block_size: int, at: torch.Tensor | None = None):
-        """(normed outputs [b, N, B, H], the head's logits [b, N, B, V], the target's logits at positions
-        ``at`` [b, M] as [b, M, V], or None without ``at``)."""
+        """(normed outputs [b, N, B, H], the head's logits over the scored rows [b, N, B, V'], the target's
+        logits over its whole vocabulary at positions ``at`` [b, M] as [b, M, V], or None without ``at``)."""
         features, logits = self.frozen.run(tokens, valid, self.layers, at=at if at is not None else anchors[:, :0])
         ids = dflash.block_inputs(tokens, anchors, block_size, self.net_config.mask_token_id)
         out = net.blocks(features, F.embedding(ids, self.frozen.embed), anchors)
-        return out, out @ self.frozen.head.t(), (logits if at is not None else None)
+        return out, out @ self.head.t(), (logits if at is not None else None)
 
     def loss(self, net: dspark.DSparkNet, batch) -> torch.Tensor:
         tokens, valid, anchors, ok = batch
@@ -104,12 +104,13 @@ class Objective(block_training.Objective):
         at = source.clamp(max=tokens.shape[1] - 1).reshape(b, -1)
         out, head, target = self.blocks(net, tokens, valid, anchors, size, at)          # [b, N, B, *], [b, N B, V]
         previous = dspark.previous_tokens(tokens, anchors, size)
-        term, code = net.markov(out, previous)
+        term, code = net.markov(out, previous, self.rows)
         draft = head + term
         p = torch.softmax(target.float().view(b, n, size, -1), -1)
+        p = p if self.rows is None else p[..., self.rows]                             # the scored rows' share
         log_q = torch.log_softmax(draft.float(), -1)
-        ce = -(p * log_q).sum(-1)
-        l1 = (log_q.exp() - p).abs().sum(-1)                                           # [b, N, B], 0 .. 2
+        ce = -(p / p.sum(-1, keepdim=True) * log_q).sum(-1)                           # to p over the scored rows
+        l1 = (log_q.exp() - p).abs().sum(-1) + (1 - p.sum(-1)).clamp(min=0)          # q is 0 elsewhere: 0 .. 2
         per_slot = config.ce_weight * ce + config.l1_weight * l1
         if self.net_config.enable_confidence_head:
             survives = (1 - l1 / 2).detach().clamp(0, 1)
@@ -137,8 +138,8 @@ class Objective(block_training.Objective):
             previous = tokens.gather(1, anchors)                                       # the anchors' tokens
             guesses, confidences = [], []
             for j in range(size):
-                term, code = net.markov(out[:, :, j], previous)
-                previous = (head[:, :, j] + term).argmax(-1)
+                term, code = net.markov(out[:, :, j], previous, self.rows)
+                previous = self.ids((head[:, :, j] + term).argmax(-1))
                 guesses.append(previous)
                 if self.net_config.enable_confidence_head:
                     confidences.append(net.confidence_logit(out[:, :, j], code))
