@@ -720,3 +720,22 @@ specdec demo > $OUT/demo-zen4-s31b.txt 2>&1   # again, with the continued EAGLE-
 specdec bench --target smollm2-135m --dtype float32 --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
   --draft smollm2-135m-q4_1 -k 8 10 --draft-staged none prompt-lookup retrieval --no-transformers --threads 2 \
   --output $OUT/staged-f32-zen4-s31.json   # a float32 target
+
+# ---- thirty-second session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+python docs/measurements/draft_head_ab.py bfloat16 4 8 Q4_1 > $OUT/draft-head-ab-zen4-s32.txt   # the copy's head as Q4_1
+# DFlash and DSpark continued over their draft vocabulary, the same data and budget (DFlash's steps cheaper)
+mkdir -p runs/s32
+for run in dflash:1800 dspark:900; do IFS=: read m steps <<< "$run"
+  echo "{\"source\": \"sharegpt-answers\", \"train_sequences\": 3072, \"code_requests\": 1024, \"prefix_len\": 256,
+   \"generated_len\": 192, \"optim\": {\"steps\": $steps, \"lr\": 4e-4, \"warmup_steps\": 20, \"eval_every\": 600}}" > runs/s32/$m.json
+  specdec train $m --target smollm2-135m --preset $m-sharegpt --config runs/s32/$m.json --init-from $D/$m --data-dir runs/data \
+    --out runs/s32/$m/out --ckpt-dir runs/s32/$m/ckpt --threads 2 --max-minutes 27
+done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --block-sizes 2 4 7 8 --drafters dflash=runs/s32/dflash/out dflash=$D/dflash dspark=runs/s32/dspark/out dspark=$D/dspark \
+  --no-transformers --threads 2 --output $OUT/block-s32-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/block-s32-zen4.json')); [record_fastest(r, m, f'runs/s32/{m}/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True) for m in ('dflash', 'dspark')]"
+for m in dflash dspark; do cp runs/s32/$m/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/$m/; done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --temperature 0.7 --block-sizes 7 8 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/block-t07-s32-zen4.json
+specdec demo > $OUT/demo-zen4-s32.txt 2>&1
