@@ -187,9 +187,12 @@ def default_folder(name: str, target) -> str | None:
 
 def missing_folder(name: str, target) -> InvalidArgumentError:
     """The one line for a method that needs a folder when neither --draft nor the zoo gives one."""
+    from specdec.zoo import REAL_MODELS
+
     entry = REGISTRY[resolve(name)]
+    trained = ", ".join(name for name, model in REAL_MODELS.items() if not model.drafters)
     return InvalidArgumentError(f"--drafter {entry.name} needs --draft DIR: the zoo holds no {entry.name} trained "
-                                f"for {target} (the zoo's target and smollm2-135m have theirs)")
+                                f"for {target} (the zoo's target and {trained} have theirs)")
 
 
 def build(name: str, folder=None, options=None):

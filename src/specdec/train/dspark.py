@@ -109,7 +109,7 @@ class Objective(block_training.Objective):
         p = torch.softmax(target.float().view(b, n, size, -1), -1)
         p = p if self.rows is None else p[..., self.rows]                             # the scored rows' share
         log_q = torch.log_softmax(draft.float(), -1)
-        ce = -(p / p.sum(-1, keepdim=True) * log_q).sum(-1)                           # to p over the scored rows
+        ce = -(p / p.sum(-1, keepdim=True).clamp(min=1e-30) * log_q).sum(-1)          # to p over the scored rows
         l1 = (log_q.exp() - p).abs().sum(-1) + (1 - p.sum(-1)).clamp(min=0)          # q is 0 elsewhere: 0 .. 2
         per_slot = config.ce_weight * ce + config.l1_weight * l1
         if self.net_config.enable_confidence_head:
