@@ -739,3 +739,6 @@ for m in dflash dspark; do cp runs/s32/$m/out/{config.json,model.safetensors,tra
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   --temperature 0.7 --block-sizes 7 8 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/block-t07-s32-zen4.json
 specdec demo > $OUT/demo-zen4-s32.txt 2>&1
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
+  dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
+  --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s32.json
