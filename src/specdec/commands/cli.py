@@ -82,14 +82,14 @@ def run_generate(args) -> int:
         if not all(isinstance(p, str) for p in prompts):
             raise InvalidArgumentError("--chat takes text prompts, not token ids")
         prompts = [[{"role": "user", "content": p}] for p in prompts]
+    check_output_path(args.output)
     from specdec.drafters.registry import REGISTRY, default_folder, missing_folder
-    if not args.draft:  # the drafter trained for this target, where the zoo holds one
+    if not args.draft:  # the drafter trained for this target, where the zoo holds one (a datastore: built once)
         args.draft = default_folder(args.drafter, args.target)
         if REGISTRY[args.drafter].folder and not args.draft:
             raise missing_folder(args.drafter, args.target)
     check_draft_quantize(args, args.drafter)
     check_staged(args, args.drafter)
-    check_output_path(args.output)
     target = load_target(args.target, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
     drafter = make_drafter(args.drafter, args)
     if args.k is None and args.sglang_draft_tokens is None:  # the drafter's own k and tree (DFlash: its block - 1)
