@@ -456,6 +456,33 @@ def test_generated_answers_resume_from_their_chunks_and_grow_from_a_smaller_set(
     assert len(made) == 3  # other prompts: nothing reused
 
 
+def starting_weights(monkeypatch, trainer) -> dict:
+    """Filled with the weights ``trainer``'s next loop starts from."""
+    started = {}
+    real_loop = trainer.run_loop
+
+    def loop_spy(*, model, **kwargs):
+        started.update({name: value.clone() for name, value in model.state_dict().items()})
+        return real_loop(model=model, **kwargs)
+
+    monkeypatch.setattr(trainer, "run_loop", loop_spy)
+    return started
+
+
+def logit_widths(monkeypatch) -> list[int]:
+    """Filled with the width of the target's logits each FrozenTarget.run returns (the rows a loss reads)."""
+    widths = []
+    original = FrozenTarget.run
+
+    def spy(self, tokens, valid, layers, at=None, rows=None, choice=False):
+        out = original(self, tokens, valid, layers, at, rows, choice)
+        widths.append(out[1].shape[-1])
+        return out
+
+    monkeypatch.setattr(FrozenTarget, "run", spy)
+    return widths
+
+
 def test_eagle1_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exactly(chat_dir, sharegpt, tmp_path,
                                                                                   monkeypatch):
     """EAGLE-1 with ``head_vocab``: the loss and the offline metric run over the most frequent training
@@ -484,14 +511,7 @@ def test_eagle1_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exact
         return original(self, net, batch)
 
     monkeypatch.setattr(te.Objective, "loss", spy)
-    started = {}
-    real_loop = te.run_loop
-
-    def loop_spy(*, model, **kwargs):
-        started.update({name: value.clone() for name, value in model.state_dict().items()})
-        return real_loop(model=model, **kwargs)
-
-    monkeypatch.setattr(te, "run_loop", loop_spy)
+    started = starting_weights(monkeypatch, te)
     again = replace(config, init_from=str(tmp_path / "a"), head_vocab=size // 2)  # the folder's vocabulary wins
     te.train_eagle(again, chat_dir, tmp_path / "b", log=lambda m: None)
     saved = eagle_model.load_net(tmp_path / "a").state_dict()
@@ -510,6 +530,54 @@ def test_eagle1_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exact
     te.train_eagle(eagle3, chat_dir, tmp_path / "c", log=lambda m: None)
     with pytest.raises(SpecdecError, match="EAGLE-3"):
         te.train_eagle(replace(config, init_from=str(tmp_path / "c")), chat_dir, tmp_path / "d", log=lambda m: None)
+    assert not (tmp_path / "d").exists()
+
+
+def test_medusa_over_a_draft_vocabulary_continues_from_a_folder_and_drafts_exactly(chat_dir, sharegpt, tmp_path,
+                                                                                   monkeypatch):
+    """Medusa heads ending in the target's head, with ``head_vocab``: the loss reads the target's logits over
+    the most frequent training tokens only, the offline metric maps the heads' rows to target ids, and the
+    rows are saved as draft_vocab.json, which inference then drafts from, equal to plain decoding; ``init_from``
+    starts from a folder's heads and keeps its vocabulary; a folder of another shape is refused in one line,
+    before anything is written."""
+    from specdec.drafters import Medusa
+    from specdec.models import medusa as medusa_model
+    from specdec.train import medusa as tm
+    from specdec.train.config import TrainConfigError
+
+    target = load_target(chat_dir)
+    size = target.vocab_size // 4
+    shape = tm.MedusaShape(heads=3, original_lm_head=True)
+    config = replace(tm.PRESETS["tiny"], shape=shape, source="sharegpt", head_vocab=size, **SHAREGPT_DATA)
+    widths = logit_widths(monkeypatch)
+    first = tm.train_medusa(config, chat_dir, tmp_path / "a", log=lambda m: None)
+    record = json.loads((tmp_path / "a" / "draft_vocab.json").read_text())
+    ids = record["ids"]
+    assert len(ids) == record["size"] == size and ids == sorted(set(ids)) and 0.5 < record["coverage"] <= 1.0
+    assert size in widths and target.vocab_size not in widths  # the loss read those rows only
+    assert 1.0 <= first["offline"]["tau_chain"]
+
+    drafter = Medusa(tmp_path / "a")
+    assert drafter.vocabulary.tolist() == ids
+    prompts = target.encode(["def item3(x):", "and twice?"])
+    plain = specdec.generate(target, prompts, max_new_tokens=16)
+    out = specdec.generate(target, prompts, drafter=drafter, max_new_tokens=16)
+    assert out.token_ids == plain.token_ids
+
+    started = starting_weights(monkeypatch, tm)
+    again = replace(config, init_from=str(tmp_path / "a"), head_vocab=size // 2)  # the folder's vocabulary wins
+    tm.train_medusa(again, chat_dir, tmp_path / "b", log=lambda m: None)
+    saved = medusa_model.load_net(tmp_path / "a").state_dict()
+    assert all(torch.equal(started[name], saved[name].float()) for name in saved)
+    assert json.loads((tmp_path / "b" / "draft_vocab.json").read_text())["ids"] == ids
+
+    other = replace(again, shape=replace(shape, heads=2))
+    with pytest.raises(TrainConfigError, match="3 Medusa heads"):
+        tm.train_medusa(other, chat_dir, tmp_path / "c", log=lambda m: None)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(TrainConfigError, match="original_lm_head"):
+        tm.train_medusa(replace(config, shape=replace(shape, original_lm_head=False)), chat_dir, tmp_path / "d",
+                        log=lambda m: None)
     assert not (tmp_path / "d").exists()
 
 
@@ -648,7 +716,7 @@ def test_draft_model_distils_from_the_cache_and_drafts_exactly(chat_dir, sharegp
     assert not (tmp_path / "cli" / "config.json").exists()
 
 
-def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, sharegpt, tmp_path):
+def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, sharegpt, tmp_path, monkeypatch):
     """``specdec train mtp`` on a real target: sequential modules learn from the cached final states while the
     target stays as it is; the folder holds the modules alone with the target record; drafting with them
     (deeper than the modules, which are then reused) equals plain decoding; a wrong target or folder is one line."""
@@ -706,13 +774,15 @@ def test_mtp_modules_on_a_frozen_target_train_apart_and_draft_exactly(chat_dir, 
     assert code == 2
 
     # Continued on new data (--init-from): the run starts from the folder's modules (a lower first loss than
-    # the fresh run's), keeps its draft vocabulary, and drafts exactly; a folder without modules, or a depth
-    # other than the folder's, is one line.
+    # the fresh run's), keeps its draft vocabulary and scores the drafts over its rows only, and drafts exactly;
+    # a folder without modules, or a depth other than the folder's, is one line.
+    widths = logit_widths(monkeypatch)
     (tmp_path / "more.json").write_text(json.dumps({"source": "sharegpt", **SHAREGPT_DATA,
                                                     "optim": {"steps": 4, "eval_every": 100}}))
     more = ["train", "mtp", "--target", str(chat_dir), "--preset", "tiny", "--config", str(tmp_path / "more.json"),
             "--data-dir", str(tmp_path / "out" / "checkpoints")]
     assert main([*more, "--out", str(tmp_path / "more"), "--init-from", str(tmp_path / "out")]) == 0
+    assert size in widths and target.vocab_size not in widths
     assert history(tmp_path / "more" / "checkpoints")[0]["loss"] < losses[0]
     assert (tmp_path / "more" / "draft_vocab.json").read_text() == (tmp_path / "out" / "draft_vocab.json").read_text()
     out = specdec.generate(target, ids, drafter=MTP(modules=tmp_path / "more"), num_draft_tokens=2, max_new_tokens=16)

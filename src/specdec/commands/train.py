@@ -336,7 +336,7 @@ def add_commands(subparsers) -> None:
         _data_options(p, "folder of the token ids and cached target features (default: the checkpoint folder); "
                          "runs on the same data share it, and a cache with more layers serves")
         p.set_defaults(func=cmd_train_drafter)
-        if name in ("dflash", "dspark", "eagle", "eagle3"):
+        if name in ("dflash", "dspark", "eagle", "eagle3", "medusa"):
             p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
                            help=f"start from a trained {name} folder of the same shape (new data, or DFlash's "
                                 f"long-context phase: --preset dflash-long)")

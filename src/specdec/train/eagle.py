@@ -25,7 +25,8 @@ from specdec.models import eagle
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
 from specdec.train.features import (DataRecipe, TINY_DATA, FrozenTarget, acceptance_summary, anchor_mask,
-                                    draft_vocabulary, leading_matches, prepare_run, shifted, warn_if_useless)
+                                    draft_vocabulary, head_vocabulary, leading_matches, prepare_run, shifted,
+                                    warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 
@@ -204,7 +205,8 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
     if source is not None:
         start_from(net, source, config.init_from, target)
     if config.version == 1 and config.head_vocab:
-        rows, coverage, extra = eagle1_vocabulary(config, train, vocab, log)
+        rows, coverage, extra = head_vocabulary(config.init_from, config.head_vocab, train, vocab, config.source,
+                                                log, "EAGLE-1")
     frozen = run.frozen(shape.hidden_layers())
     if config.version == 3 and config.head_from_target and not resume:
         # The target's own map from its last hidden state to tokens, restricted to the draft vocabulary:
@@ -251,25 +253,6 @@ def start_from(net: eagle.EagleNet, source: eagle.EagleNet, folder: str, target)
                               f"({', '.join(different[:3]) or 'other tensors'}); init_from needs the same shape")
     net.load_state_dict({name: theirs[name].float() for name in mine})
     net.train()
-
-
-def eagle1_vocabulary(config: EagleTrainConfig, train, vocab: int, log) -> tuple[torch.Tensor, float, dict]:
-    """(ids, coverage of the training tokens, {draft_vocab.json: its text}) of an EAGLE-1 run over a draft
-    vocabulary: ``init_from``'s file where it has one (the drafter learnt those rows), else the
-    ``head_vocab`` most frequent tokens of the training data."""
-    from specdec.drafters.base import DRAFT_VOCAB_FILE, read_draft_vocabulary
-    from specdec.train.features import draft_vocab_text, vocabulary_coverage
-
-    ids = read_draft_vocabulary(config.init_from, vocab) if config.init_from else None
-    if ids is not None:
-        coverage, source = vocabulary_coverage(train, ids, vocab), f"the draft vocabulary of {config.init_from}"
-    else:
-        if not 0 < config.head_vocab < vocab:
-            raise EagleTrainError(f"head_vocab must be in 1..{vocab - 1}, got {config.head_vocab}")
-        ids, coverage = draft_vocabulary(train, config.head_vocab, vocab)
-        source = f"the EAGLE-1 training data ({config.source}), {train.tokens.shape[0]} sequences"
-    log(f"[eagle] next-token loss over {ids.numel()} of {vocab} tokens ({coverage:.1%} of the training tokens)")
-    return ids, coverage, {DRAFT_VOCAB_FILE: draft_vocab_text(ids, coverage, train.num_tokens, source)}
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,

@@ -429,6 +429,26 @@ def draft_vocab_text(ids: torch.Tensor, coverage: float, counted_tokens: int, so
                        "counted_tokens": counted_tokens, "source": source})
 
 
+def head_vocabulary(init_from: str, size: int, train: Sequences, vocab: int, source: str, log: Callable[[str], None],
+                    kind: str) -> tuple[torch.Tensor, float, dict[str, str]]:
+    """(ids, coverage of the training tokens, {draft_vocab.json: its text}) of a run whose drafts read rows of
+    the target's head (EAGLE-1, Medusa): ``init_from``'s file where it has one (the drafter learnt those rows),
+    else the ``size`` most frequent tokens of the training data (``source`` names them)."""
+    from specdec.drafters.base import DRAFT_VOCAB_FILE, read_draft_vocabulary
+    from specdec.train.config import TrainConfigError
+
+    ids = read_draft_vocabulary(init_from, vocab) if init_from else None
+    if ids is not None:
+        coverage, source = vocabulary_coverage(train, ids, vocab), f"the draft vocabulary of {init_from}"
+    else:
+        if not 0 < size < vocab:
+            raise TrainConfigError(f"head_vocab must be in 1..{vocab - 1}, got {size}")
+        ids, coverage = draft_vocabulary(train, size, vocab)
+        source = f"the {kind} training data ({source}), {train.tokens.shape[0]} sequences"
+    log(f"[{kind}] next-token loss over {ids.numel()} of {vocab} tokens ({coverage:.1%} of the training tokens)")
+    return ids, coverage, {DRAFT_VOCAB_FILE: draft_vocab_text(ids, coverage, train.num_tokens, source)}
+
+
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
                            seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """Restrict a drafter that ends in a head over the whole vocabulary (EAGLE-1, DFlash, DSpark, MTP modules

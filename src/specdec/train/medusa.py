@@ -1,7 +1,9 @@
 """Train Medusa-1 heads on a frozen target (the objective; the loop is loop.py).
 
 Head i learns the target's own distribution i + 2 tokens ahead (soft cross-entropy to the target's
-next-token distribution at t + 1 + i, weighted 0.8^i), on the target's own continuations.
+next-token distribution at t + 1 + i, weighted 0.8^i), on the target's own continuations. Heads that end in
+the target's LM head can be scored over a draft vocabulary (``head_vocab`` rows of it, saved as the folder's
+draft_vocab.json), as they then draft: the target's distribution taken over the same rows.
 
 After training, the default candidate tree is built from measured acceptance on held-out data, as
 Medusa builds its trees: each (head, rank) gets its held-out top-k accuracy, a path's value is the
@@ -20,11 +22,13 @@ from typing import Any, Callable
 
 import torch
 
+from specdec.drafters.base import DRAFT_VOCAB_FILE
 from specdec.models import medusa
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
-from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, prepare_run, shifted, walk,
-                                    warn_if_useless)
+from specdec.train.config import TrainConfigError
+from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, head_vocabulary, prepare_run,
+                                    shifted, walk, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 TOPK = 10
@@ -44,6 +48,10 @@ class MedusaTrainConfig(DataRecipe):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(steps=600, lr=1e-3, warmup_steps=30,
                                                                    eval_every=150, ckpt_every_steps=100))
     decay: float = 0.8
+    # heads ending in the target's LM head: score them over this many of its rows (the most frequent tokens of the
+    # training data, or ``init_from``'s draft_vocab.json), as they then draft; 0: the whole head
+    head_vocab: int = 0
+    init_from: str = ""  # a Medusa folder of the same shape to continue from
 
 
 PRESETS = {
@@ -56,6 +64,14 @@ PRESETS = {
                                          generated_len=256, source="sharegpt",
                                          optim=OptimConfig(steps=400, lr=1e-3, warmup_steps=30, eval_every=100,
                                                            ckpt_every_steps=20, bfloat16=True)),
+    # The same heads on the target's own answers (ShareGPT's first user turns, greedy, and 1,024 requests to
+    # complete a function: the feature cache EAGLE-3, DFlash and DSpark train on), scored over the 8,192 rows they
+    # draft from; sized for about 40 minutes on 2 cores.
+    "medusa-answers": MedusaTrainConfig(shape=MedusaShape(heads=4, layers=1, original_lm_head=True), batch_size=8,
+                                        train_sequences=3072, code_requests=1024, heldout_sequences=48,
+                                        prefix_len=256, generated_len=192, source="sharegpt-answers", head_vocab=8192,
+                                        optim=OptimConfig(steps=900, lr=1e-3, warmup_steps=30, eval_every=300,
+                                                          ckpt_every_steps=20, bfloat16=True)),
     "tiny": MedusaTrainConfig(shape=MedusaShape(heads=3), optim=OptimConfig(steps=12, lr=3e-3, warmup_steps=2,
                                                                            eval_every=6, ckpt_every_steps=4),
                               **TINY_DATA),
@@ -78,17 +94,21 @@ class HeadRanks:
     rows: list               # per sequence: (ranks [T, heads], first anchor, length), for decoding walks
 
 
-def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int) -> HeadRanks:
+def head_ranks(net: medusa.MedusaHeads, frozen: FrozenTarget, held, layer: int,
+               ids: torch.Tensor | None = None) -> HeadRanks:
+    """ids: the target ids of the heads' rows (a draft vocabulary), None: the whole vocabulary."""
     heads = net.config.medusa_num_heads
     ranks, rows_out = [], []
     with torch.no_grad():
         for start in range(0, held.tokens.shape[0], 8):
             rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
             tokens, valid = held.batch(rows)
-            features, logits = frozen.run(tokens, valid, (layer,))
+            features, _, choice = frozen.run(tokens, valid, (layer,), rows=tokens.new_zeros(0), choice=True)
             length = tokens.shape[1]
             top = net(features).topk(TOPK, dim=-1).indices  # [B, T, heads, 10]
-            truth = torch.stack([shifted(logits.argmax(-1), 1 + i, length, -1) for i in range(heads)], -1)
+            if ids is not None:
+                top = ids[top]
+            truth = torch.stack([shifted(choice, 1 + i, length, -1) for i in range(heads)], -1)
             hit = top == truth[..., None]
             rank = torch.where(hit.any(-1), hit.float().argmax(-1), -1)  # [B, T, heads]
             # anchor t: the feature at t (the token before the pending one); t + 1 is generated
@@ -176,6 +196,11 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
     from specdec.models.eagle import TargetRecord
 
     out_dir, target_dir = Path(out_dir), Path(target_dir)
+    # the folder to continue, read before anything is written (a wrong one is refused at once)
+    source = continued(config.init_from, config.shape) if config.init_from and not resume else None
+    if config.head_vocab and not config.shape.original_lm_head:
+        raise TrainConfigError("head_vocab scores heads that end in the target's LM head: it needs "
+                               "shape.original_lm_head")
     run = prepare_run("medusa", config, target_dir, out_dir, ckpt_dir, resume, config_from_dict, log,
                       data_dir, data_only)
     config, target, held, log = run.config, run.target, run.held, run.log
@@ -185,13 +210,20 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
                                 target=TargetRecord.of(target))
     torch.manual_seed(config.seed)
     net = medusa.MedusaHeads(shape)
+    if source is not None:
+        start_from(net, source, config.init_from, target)
+    rows, extra = None, {}
+    carried = bool(config.init_from) and (Path(config.init_from) / DRAFT_VOCAB_FILE).is_file()
+    if shape.original_lm_head and (config.head_vocab or carried):
+        rows, _, extra = head_vocabulary(config.init_from, config.head_vocab, run.train, target.vocab_size,
+                                         config.source, log, "medusa")
     frozen = run.frozen((layer,))
-    net.init_from_head(frozen.head)
+    net.init_from_head(frozen.head_rows(rows))
     heads = shape.medusa_num_heads
 
     def loss_fn(model, batch):
         tokens, valid = batch
-        features, logits = frozen.run(tokens, valid, (layer,))
+        features, logits = frozen.run(tokens, valid, (layer,), rows=rows)  # [B, T, H], [B, T, V or rows]
         length = tokens.shape[1]
         out = model(features)  # [B, T, heads, V]
         total = 0.0
@@ -204,7 +236,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
 
     def eval_fn(model):
         model.eval()
-        ranks = head_ranks(model, frozen, held, layer)
+        ranks = head_ranks(model, frozen, held, layer, rows)
         chain = [tuple([0] * d) for d in range(1, heads + 1)]
         metrics = {f"top1_head{i}": float((ranks.at_anchors[:, i] == 0).float().mean()) for i in range(heads)}
         metrics["tau_chain"] = tree_tau(ranks, chain)
@@ -219,7 +251,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
 
     round_to_export_dtype_(net)
     final = eval_fn(net)
-    ranks = head_ranks(net, frozen, held, layer)
+    ranks = head_ranks(net, frozen, held, layer, rows)
     choices, sizes = choose_tree(ranks, target_cost(target_dir), log)
     tau = tree_tau(ranks, choices)
     useless = warn_if_useless({"tau": tau}, "tau", log, "medusa")
@@ -232,8 +264,31 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
     }
     net.config = medusa.with_training(shape, choices, {k: summary[k] for k in ("steps", "train_minutes", "train_tokens",
                                                                                 "offline")})
-    medusa.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n"})
+    medusa.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n", **extra})
     return summary
+
+
+def continued(folder: str, shape: MedusaShape) -> medusa.MedusaHeads:
+    """``folder``'s heads, refused in one line unless they have this run's shape."""
+    source = medusa.load_net(folder)
+    theirs = source.config
+    if (theirs.medusa_num_heads, theirs.medusa_num_layers, theirs.original_lm_head) != \
+            (shape.heads, shape.layers, shape.original_lm_head):
+        raise TrainConfigError(f"{folder} holds {theirs.medusa_num_heads} Medusa heads of {theirs.medusa_num_layers} "
+                               f"layers (original_lm_head {theirs.original_lm_head}); init_from needs this run's shape: "
+                               f"{shape.heads} of {shape.layers} ({shape.original_lm_head})")
+    return source
+
+
+def start_from(net: medusa.MedusaHeads, source: medusa.MedusaHeads, folder: str, target) -> None:
+    """Load the weights of ``source`` (``folder``'s heads, of this shape) into ``net``, made for this target."""
+    theirs = source.config
+    warning = theirs.target.check(target, f"the Medusa heads in {folder}", theirs.hidden_size, theirs.vocab_size,
+                                  theirs.hidden_layers())
+    if warning:
+        raise TrainConfigError(warning)
+    net.load_state_dict({name: value.float() for name, value in source.state_dict().items()})
+    net.train()
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
@@ -242,13 +297,17 @@ def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequ
     from specdec.backends.target import load_target
     from specdec.train.features import heldout_data
 
+    from specdec.drafters.base import read_draft_vocabulary
+
     net = medusa.load_net(path)
     target = load_target(target_dir)
     held = heldout_data(Path(target_dir), target.fingerprint(), cache_dir, heldout_sequences, 16, 0, log)
     frozen = FrozenTarget(target_dir)
-    if net.config.original_lm_head:
-        net.init_from_head(frozen.head)
-    ranks = head_ranks(net, frozen, held, target.num_layers)
+    rows = None
+    if net.config.original_lm_head:  # the rows it drafts from, as inference does
+        rows = read_draft_vocabulary(str(path), net.config.vocab_size)
+        net.init_from_head(frozen.head_rows(rows))
+    ranks = head_ranks(net, frozen, held, target.num_layers, rows)
     heads = net.config.medusa_num_heads
     metrics = {f"top1_head{i}": float((ranks.at_anchors[:, i] == 0).float().mean()) for i in range(heads)}
     metrics["tau_chain"] = tree_tau(ranks, [tuple([0] * d) for d in range(1, heads + 1)])

@@ -12,6 +12,9 @@ the target's config.json entries that describe them and the target record; the `
 beside the unchanged target (``MTP(modules=DIR)``; bench: ``--drafters mtp``). Kept apart because the
 135M trunk would not fit the size budget of committed drafters, and need not: it is the target.
 
+A run continued from a folder with a draft vocabulary (``specdec train draft-vocab``) scores the drafts over
+those rows of the target's head, as the drafter then drafts, the target's distribution taken over the same rows.
+
 The offline metric is exact for the first draft (module 1 from each anchor, on held-out greedy
 continuations): accept_1 and tau_k1. Deeper drafts reuse modules on their own outputs, which a
 teacher-forced pass cannot reproduce; ``specdec bench`` measures them.
@@ -27,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.drafters.base import read_draft_vocabulary
 from specdec.errors import SpecdecError
 from specdec.models import mtp
 from specdec.train import config as train_config
@@ -78,8 +82,10 @@ def config_from_dict(values: dict[str, Any]) -> MtpTrainConfig:
 
 
 class Objective:
-    def __init__(self, config: MtpTrainConfig, frozen, final_layer: int):
-        self.config, self.frozen, self.layers = config, frozen, (final_layer,)
+    def __init__(self, config: MtpTrainConfig, frozen, final_layer: int, rows: torch.Tensor | None = None):
+        """rows: the target ids the drafts are scored over (a draft vocabulary), None: the whole head."""
+        self.config, self.frozen, self.layers, self.rows = config, frozen, (final_layer,), rows
+        self.head = frozen.head_rows(rows)
 
     def outputs(self, net: mtp.MtpNet, tokens: torch.Tensor, final: torch.Tensor) -> list[torch.Tensor]:
         """Module k's normed output at every index i [B, T, H] (predicting token i + k + 1)."""
@@ -94,12 +100,12 @@ class Objective:
 
     def loss(self, net: mtp.MtpNet, batch) -> torch.Tensor:
         tokens, valid = batch
-        final, logits = self.frozen.run(tokens, valid, self.layers)      # [B, T, H], [B, T, V]
+        final, logits = self.frozen.run(tokens, valid, self.layers, rows=self.rows)  # [B, T, H], [B, T, V or rows]
         length, total = tokens.shape[1], 0.0
         for k, out in enumerate(self.outputs(net, tokens, final), 1):
             target = shifted(logits, k, length)                          # the target's distribution of i + k + 1
             mask = shifted(valid, k, length, False)
-            total = total + self.config.decay ** (k - 1) * soft_cross_entropy(out @ self.frozen.head.t(), target, mask)
+            total = total + self.config.decay ** (k - 1) * soft_cross_entropy(out @ self.head.t(), target, mask)
         return total
 
     @torch.no_grad()
@@ -109,11 +115,13 @@ class Objective:
         for start in range(0, held.tokens.shape[0], 8):
             rows = torch.arange(start, min(start + 8, held.tokens.shape[0]))
             tokens, valid = held.batch(rows)
-            final, logits = self.frozen.run(tokens, valid, self.layers)
-            first = self.outputs(net, tokens, final)[0] @ self.frozen.head.t()
+            final, _, choice = self.frozen.run(tokens, valid, self.layers, rows=tokens.new_zeros(0), choice=True)
+            first = (self.outputs(net, tokens, final)[0] @ self.head.t()).argmax(-1)
+            if self.rows is not None:
+                first = self.rows[first]
             pairs = tokens.shape[1] - 1
-            drafts = first.argmax(-1)[:, :pairs]                         # from anchor t: token t + 2
-            truth = shifted(logits.argmax(-1), 1, pairs, -1)
+            drafts = first[:, :pairs]                                    # from anchor t: token t + 2
+            truth = shifted(choice, 1, pairs, -1)
             anchors = anchor_mask(valid, held.prompt_len[rows], pairs, 1)
             accepted.append((drafts == truth).long()[anchors])
         net.train()
@@ -142,7 +150,10 @@ def train_mtp(config: MtpTrainConfig, target_dir: Path, out_dir: Path, *, ckpt_d
     frozen = run.frozen((target.num_layers,))
     if config.init_from_target and not config.init_from and not resume:
         net.init_from_main(frozen.model)
-    result, final, useless = run.fit(net, Objective(config, frozen, target.num_layers), "mtp", 43, resume,
+    rows = read_draft_vocabulary(config.init_from, target.vocab_size) if config.init_from else None
+    if rows is not None:
+        run.log(f"[mtp] drafts scored over the {rows.numel():,} rows of the draft vocabulary of {config.init_from}")
+    result, final, useless = run.fit(net, Objective(config, frozen, target.num_layers, rows), "mtp", 43, resume,
                                        max_minutes, "tau_k1", "MTP")
     summary = {
         "kind": "mtp", "design": "sequential", "depth": shape.depth, "frozen_trunk": True,
