@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from specdec.drafters.base import DRAFT_VOCAB_FILE
+from specdec.drafters.base import DRAFT_VOCAB_FILE, read_draft_vocabulary
 from specdec.models import medusa
 from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
@@ -296,8 +296,6 @@ def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequ
     """The offline metric of a saved Medusa folder (its own tree, the chain, per-head top-1) on the held-out prompts."""
     from specdec.backends.target import load_target
     from specdec.train.features import heldout_data
-
-    from specdec.drafters.base import read_draft_vocabulary
 
     net = medusa.load_net(path)
     target = load_target(target_dir)
