@@ -742,3 +742,32 @@ specdec demo > $OUT/demo-zen4-s32.txt 2>&1
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
   dspark@conf-min:0.3 dspark@confidence --concurrency 1 4 16 64 --requests-per-client 2 --max-tokens 64 \
   --max-batch-size 16 --tasks sharegpt --threads 2 --in-process --output $OUT/dspark-serve-zen4-s32.json
+
+# ---- thirty-third session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+# Medusa over an 8,192-row draft vocabulary on the target's answers (new preset), then MTP continued over its
+# folder's draft vocabulary on the same cache (the final layer's features: 2.0 GB, 22 min, and the choices 4.5 min)
+mkdir -p runs/s33
+specdec train medusa --target smollm2-135m --preset medusa-answers --data-dir runs/data --out runs/s33/medusa/out \
+  --ckpt-dir runs/s33/medusa/ckpt --threads 2 --max-minutes 40
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "optim": {"steps": 600, "lr": 1e-3, "warmup_steps": 20, "eval_every": 300, "bfloat16": true}}' > runs/s33/mtp.json
+specdec train mtp --target smollm2-135m --preset mtp-sharegpt --config runs/s33/mtp.json --init-from $D/mtp \
+  --data-dir runs/data --out runs/s33/mtp/out --ckpt-dir runs/s33/mtp/ckpt --threads 2 --max-minutes 22
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "optim": {"steps": 900, "lr": 8e-4, "warmup_steps": 20, "eval_every": 450, "bfloat16": true}}' > runs/s33/mtp2.json
+specdec train mtp --target smollm2-135m --preset mtp-sharegpt --config runs/s33/mtp2.json --init-from runs/s33/mtp/out \
+  --data-dir runs/data --out runs/s33/mtp2/out --ckpt-dir runs/s33/mtp2/ckpt --threads 2 --max-minutes 16
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.3 --drafters medusa=runs/s33/medusa/out medusa=$D/medusa mtp=runs/s33/mtp2/out mtp=$D/mtp \
+  --no-transformers --threads 2 --output $OUT/medusa-mtp-s33-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/medusa-mtp-s33-zen4.json'));
+on = 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16';
+record_fastest(r, 'mtp', 'runs/s33/mtp2/out', on, several=True); record_fastest(r, 'medusa', 'runs/s33/medusa/out', on)"
+cp runs/s33/medusa/out/{config.json,medusa_lm_head.safetensors,training_summary.json,draft_vocab.json} $D/medusa/
+cp runs/s33/mtp2/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
+git show 18fc905:src/specdec/models/kernels.c > /tmp/old33.c   # the session's first kernels.c
+OLD=$(python -c "from pathlib import Path; from specdec.models import kernels; kernels.SOURCE = Path('/tmp/old33.c'); print(kernels.build())")
+for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD smollm2-135m-q4_1 float32 2 1,16 10; done \
+  > $OUT/kernels-ab-vnni-zen4-s33.txt
+python docs/measurements/dspark_serve_trace.py 64 > $OUT/dspark-serve-trace-64-zen4-s33.txt 2>&1
+specdec demo > $OUT/demo-zen4-s33.txt 2>&1

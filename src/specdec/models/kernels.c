@@ -1166,15 +1166,15 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
             const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
             long at = (m0 + r) * nb + b;
             __m512 s = _mm512_set1_ps(x->s[at]);
-            __m512i zA = _mm512_set1_epi32(z * x->A[at]);
+            __m512i zA = _mm512_set1_epi32(-z * x->A[at]);  /* the codes' zero, taken off before any sum */
             __m512 sA = _mm512_set1_ps(x->sA[at]);
             for (int p = 0; p < P; p++) {
-                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                __m512i s0 = zA, s1 = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g += 2) {
                     s0 = _mm512_dpbusd_epi32(s0, w[p][g], _mm512_set1_epi32(quad[g]));
                     s1 = _mm512_dpbusd_epi32(s1, w[p][g + 1], _mm512_set1_epi32(quad[g + 1]));
                 }
-                __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), zA);
+                __m512i sum = _mm512_add_epi32(s0, s1);  /* integers: the same sum in any order */
                 acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], s), _mm512_cvtepi32_ps(sum), acc[r][p]);
                 if (has_m) acc[r][p] = _mm512_fmadd_ps(m[p], sA, acc[r][p]);
             }
