@@ -26,7 +26,7 @@ from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
 from specdec.train.features import (DataRecipe, TINY_DATA, FrozenTarget, acceptance_summary, anchor_mask,
                                     draft_vocabulary, head_vocabulary, leading_matches, prepare_run, shifted,
-                                    warn_if_useless)
+                                    start_from, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 
@@ -203,7 +203,7 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
         used, coverage = draft_vocabulary(train, draft_vocab, vocab)
         net.set_draft_vocab(used)
     if source is not None:
-        start_from(net, source, config.init_from, target)
+        start_from(net, source, config.init_from, target, "an EAGLE drafter", EagleTrainError)
     if config.version == 1 and config.head_vocab:
         rows, coverage, extra = head_vocabulary(config.init_from, config.head_vocab, train, vocab, config.source,
                                                 log, "EAGLE-1")
@@ -237,22 +237,6 @@ def train_eagle(config: EagleTrainConfig, target_dir: Path, out_dir: Path, *, ck
                                                                       "offline", "draft_vocab_coverage")})
     eagle.save(net, out_dir, extra={"training_summary.json": json.dumps(summary, indent=2) + "\n", **extra})
     return summary
-
-
-def start_from(net: eagle.EagleNet, source: eagle.EagleNet, folder: str, target) -> None:
-    """Load the weights of ``source`` (``folder``'s drafter) into ``net``: the same version and shape, made
-    for this target."""
-    warning = source.config.target.check(target, f"the EAGLE drafter in {folder}", source.config.hidden_size,
-                                         source.config.vocab_size, source.config.hidden_layers())
-    if warning:
-        raise EagleTrainError(warning)
-    mine, theirs = net.state_dict(), source.state_dict()
-    different = [name for name in mine if name not in theirs or theirs[name].shape != mine[name].shape]
-    if different or len(mine) != len(theirs):
-        raise EagleTrainError(f"{folder} holds an EAGLE drafter of another shape than this run's "
-                              f"({', '.join(different[:3]) or 'other tensors'}); init_from needs the same shape")
-    net.load_state_dict({name: theirs[name].float() for name in mine})
-    net.train()
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,

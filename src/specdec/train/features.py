@@ -449,6 +449,24 @@ def head_vocabulary(init_from: str, size: int, train: Sequences, vocab: int, sou
     return ids, coverage, {DRAFT_VOCAB_FILE: draft_vocab_text(ids, coverage, train.num_tokens, source)}
 
 
+def start_from(net: torch.nn.Module, source: torch.nn.Module, folder: str, target, what: str,
+               error: type[Exception]) -> None:
+    """Load the weights of ``source`` (``folder``'s trained ``what``, e.g. "an EAGLE drafter") into ``net``:
+    the same shape, made for this target; refused in one line otherwise."""
+    config = source.config
+    warning = config.target.check(target, f"{what} in {folder}", config.hidden_size, config.vocab_size,
+                                  config.hidden_layers())
+    if warning:
+        raise error(warning)
+    mine, theirs = net.state_dict(), source.state_dict()
+    different = [name for name in mine if name not in theirs or theirs[name].shape != mine[name].shape]
+    if different or len(mine) != len(theirs):
+        raise error(f"{folder} holds {what} of another shape than this run's "
+                    f"({', '.join(different[:3]) or 'other tensors'}); init_from needs the same shape")
+    net.load_state_dict({name: theirs[name].float() for name in mine})
+    net.train()
+
+
 def write_draft_vocabulary(drafter_dir: Path, target_dir: Path, size: int, count: int = 1536, max_len: int = 512,
                            seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """Restrict a drafter that ends in a head over the whole vocabulary (EAGLE-1, DFlash, DSpark, MTP modules

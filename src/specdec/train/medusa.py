@@ -28,7 +28,7 @@ from specdec.train import config as train_config
 from specdec.train.config import config_to_dict
 from specdec.train.config import TrainConfigError
 from specdec.train.features import (TINY_DATA, DataRecipe, FrozenTarget, anchor_mask, head_vocabulary, prepare_run,
-                                    shifted, walk, warn_if_useless)
+                                    shifted, start_from, walk, warn_if_useless)
 from specdec.train.loop import OptimConfig, run_loop
 
 TOPK = 10
@@ -211,7 +211,7 @@ def train_medusa(config: MedusaTrainConfig, target_dir: Path, out_dir: Path, *, 
     torch.manual_seed(config.seed)
     net = medusa.MedusaHeads(shape)
     if source is not None:
-        start_from(net, source, config.init_from, target)
+        start_from(net, source, config.init_from, target, "Medusa heads", TrainConfigError)
     rows, extra = None, {}
     carried = bool(config.init_from) and (Path(config.init_from) / DRAFT_VOCAB_FILE).is_file()
     if shape.original_lm_head and (config.head_vocab or carried):
@@ -278,17 +278,6 @@ def continued(folder: str, shape: MedusaShape) -> medusa.MedusaHeads:
                                f"layers (original_lm_head {theirs.original_lm_head}); init_from needs this run's shape: "
                                f"{shape.heads} of {shape.layers} ({shape.original_lm_head})")
     return source
-
-
-def start_from(net: medusa.MedusaHeads, source: medusa.MedusaHeads, folder: str, target) -> None:
-    """Load the weights of ``source`` (``folder``'s heads, of this shape) into ``net``, made for this target."""
-    theirs = source.config
-    warning = theirs.target.check(target, f"the Medusa heads in {folder}", theirs.hidden_size, theirs.vocab_size,
-                                  theirs.hidden_layers())
-    if warning:
-        raise TrainConfigError(warning)
-    net.load_state_dict({name: value.float() for name, value in source.state_dict().items()})
-    net.train()
 
 
 def evaluate_drafter(path: Path, target_dir: Path, cache_dir: Path, heldout_sequences: int = 48,
