@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.batch import Backlog, keep_rows
+from specdec.batch import Backlog, keep_rows, leaving_order
 
 
 def full_logits(model, rows):
@@ -109,8 +109,32 @@ def test_keep_rows_moves_only_what_moves_and_keeps_order():
     kept = keep_rows(store, torch.tensor([0, 2, 5]))
     assert kept is store and kept[:3, 0].tolist() == [0.0, 2.0, 5.0]  # in place, rows 3.. now free
     other = torch.arange(4.0)[:, None]
-    shuffled = keep_rows(other, torch.tensor([3, 1]))
-    assert shuffled is not other and shuffled[:, 0].tolist() == [3.0, 1.0] and other[:, 0].tolist() == [0, 1, 2, 3]
+    shuffled = keep_rows(other, torch.tensor([2, 0]))  # row 0 would be read after slot 0 was written
+    assert shuffled is not other and shuffled[:, 0].tolist() == [2.0, 0.0] and other[:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_a_departure_moves_the_last_rows_into_the_leaving_slots_in_place():
+    """leaving_order fills each leaving row's slot with one of the last rows; keep_rows moves just those rows,
+    in place, and with ``used`` only their live columns."""
+    assert leaving_order(6, {1, 4}) == [0, 5, 2, 3]
+    assert leaving_order(6, {4, 5}) == [0, 1, 2, 3] and leaving_order(3, {0, 1, 2}) == []
+    assert leaving_order(5, {0, 2}) == [3, 1, 4]
+    for size in range(1, 7):  # every subset: a permutation of the rows that stay
+        for mask in range(1 << size):
+            gone = {row for row in range(size) if mask >> row & 1}
+            order = leaving_order(size, gone)
+            assert sorted(order) == sorted(set(range(size)) - gone)
+            store = torch.arange(size * 4.0).reshape(size, 4).clone()
+            reference = store.clone()
+            kept = keep_rows(store, torch.tensor(order, dtype=torch.long), used=(1, 3))
+            assert kept is store  # in place: no new store
+            assert torch.equal(kept[:len(order), :3], reference[order, :3])
+            moved = [slot for slot, row in enumerate(order) if row != slot]
+            assert torch.equal(kept[moved, 3], reference[moved, 3])  # past ``used``: not copied
+    cache = torch.arange(2 * 5 * 3.0).reshape(2, 5, 3)  # rows along dim 1, ``used`` along dim 2
+    reference = cache.clone()
+    keep_rows(cache, torch.tensor(leaving_order(5, {1})), dim=1, used=(2, 2))
+    assert torch.equal(cache[:, :4, :2], reference[:, [0, 4, 2, 3], :2]) and torch.equal(cache[:, 1, 2], reference[:, 1, 2])
 
 
 def test_backlog_keeps_each_rows_waiting_columns_in_order_through_leaves_and_joins():

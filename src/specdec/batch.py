@@ -79,20 +79,40 @@ def cat_rows(first: torch.Tensor, second: torch.Tensor, fill=0) -> torch.Tensor:
     return torch.cat([pad_columns(first, columns, fill), pad_columns(second, columns, fill)])
 
 
-def keep_rows(store: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+def keep_rows(store: torch.Tensor, index: torch.Tensor, dim: int = 0,
+              used: tuple[int, int] | None = None) -> torch.Tensor:
     """``store`` with rows ``index`` (along ``dim``) first, for a batch whose rows leave.
 
-    Rows kept in order (the usual case: finished rows leave, the others stay in order) are moved in
-    place, each to or before where it was, so only the rows after the first gap are copied and the
-    same store comes back (its rows past len(index) are free). Any other order: a new store of just
-    those rows."""
+    Rows that can move in place do, and the same store comes back (its rows past len(index) are
+    free): a row moves to a slot before its own (rows kept in order), or from past the kept rows into
+    a leaving row's slot (``leaving_order``'s order: one copy per leaving row). ``used`` = (dim, n):
+    only the first n entries along that dim are live (a cache's written columns), so only those move.
+    Any other order: a new store of just those rows."""
     rows = index.tolist()
-    if any(b <= a for a, b in zip(rows, rows[1:])):
+    kept = len(rows)
+    if len(set(rows)) < kept or any(row < slot for slot, row in enumerate(rows)):
         return store.index_select(dim, index)
     for slot, row in enumerate(rows):
         if row != slot:
-            store.select(dim, slot).copy_(store.select(dim, row))
+            source, target = store.select(dim, row), store.select(dim, slot)
+            if used is not None:
+                axis = used[0] - (used[0] > dim)  # the dim in the row's slice
+                source, target = source.narrow(axis, 0, used[1]), target.narrow(axis, 0, used[1])
+            target.copy_(source)
     return store
+
+
+def leaving_order(size: int, leaving) -> list[int]:
+    """The rows that stay when rows ``leaving`` leave a batch of ``size``, in their new order: each
+    leaving row's slot below the new size is taken by the last rows, the others keep theirs, so a
+    departure moves one row of every per-row store instead of every row after it (``keep_rows``)."""
+    gone = set(leaving)
+    kept = size - len(gone)
+    movers = [row for row in range(kept, size) if row not in gone]
+    order = list(range(kept))
+    for hole, mover in zip(sorted(row for row in gone if row < kept), movers):
+        order[hole] = mover
+    return order
 
 
 class Backlog:
@@ -141,7 +161,8 @@ class Backlog:
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.m:
-            self.store, self.mask = keep_rows(self.store, index), keep_rows(self.mask, index)
+            self.store = keep_rows(self.store, index, used=(1, self.m))  # the waiting columns only
+            self.mask = keep_rows(self.mask, index, used=(1, self.m))
         self.batch_size = index.numel()
 
     def extend(self, other: "Backlog") -> None:

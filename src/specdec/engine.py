@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.batch import Sequences
+from specdec.batch import Sequences, leaving_order
 from specdec.decode import (GenerationConfig, cache_capacity, check_context, committed_features, default_draft_tokens,
                             default_tree, stop_counts, verify_block, warn_inexact)
 from specdec.backends.target import Target
@@ -567,7 +567,7 @@ class Group:
         if not reasons:
             return
         engine = self.engine
-        keep_rows = [i for i in range(self.size) if i not in reasons]
+        keep_rows = leaving_order(self.size, reasons)  # the last rows fill the leaving ones' slots
         for row, reason in reasons.items():
             state = self.states[row]
             if not engine.stream:  # the whole output with the final update

@@ -312,7 +312,7 @@ class NativeCache(RaggedCache):
 
     @torch.inference_mode()
     def _select_rows(self, index: torch.Tensor) -> None:
-        self.store = keep_rows(self.store, index, dim=2)  # the rows that move, in place
+        self.store = keep_rows(self.store, index, dim=2, used=(4, self.columns))  # moved in place, written columns
         self.kv = self.store[:, :, :index.numel()]
         self.scratch.clear()  # shaped for the old batch size
 
