@@ -771,3 +771,34 @@ for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD
   > $OUT/kernels-ab-vnni-zen4-s33.txt
 python docs/measurements/dspark_serve_trace.py 64 > $OUT/dspark-serve-trace-64-zen4-s33.txt 2>&1
 specdec demo > $OUT/demo-zen4-s33.txt 2>&1
+
+# ---- thirty-fourth session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+# The serving trace at 64 clients before and after the departures change (run at a4a9281^ and at a4a9281)
+python docs/measurements/dspark_serve_trace.py 64 > $OUT/dspark-serve-trace-64-zen4-s34.txt 2>&1
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@conf-min:0.3 \
+  dspark@confidence --concurrency 1 4 16 64 --requests-per-client 3 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-zen4-s34.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@fixed \
+  dspark@confidence --concurrency 1 --requests-per-client 10 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-1-client-zen4-s34.json
+# MTP continued from the committed module on the answers cache (the final layer's features, as in the 33rd block)
+mkdir -p runs/s34
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "optim": {"steps": 1200, "lr": 6e-4, "warmup_steps": 20, "eval_every": 600, "bfloat16": true}}' > runs/s34/mtp.json
+specdec train mtp --target smollm2-135m --preset mtp-sharegpt --config runs/s34/mtp.json --init-from $D/mtp \
+  --data-dir runs/data --out runs/s34/mtp/out --ckpt-dir runs/s34/mtp/ckpt --threads 2 --max-minutes 24
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 2 3 --draft-p-min 0 0.3 --drafters mtp=runs/s34/mtp/out mtp=$D/mtp --no-transformers --threads 2 \
+  --output $OUT/mtp-s34-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/mtp-s34-zen4.json'));
+record_fastest(r, 'mtp', 'runs/s34/mtp/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s34/mtp/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/mtp/
+# The Q4_1 file drafting over DFlash's 8,192-token vocabulary (a copy of its folder with draft_vocab.json), beside the whole head
+mkdir -p runs/s34/q41dv && cp -a ~/.cache/specdec/models/smollm2-135m-q4_1/. runs/s34/q41dv/ && cp $D/dflash/draft_vocab.json runs/s34/q41dv/
+for d in smollm2-135m-q4_1 runs/s34/q41dv; do
+  specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+    --draft $d -k 8 --draft-staged prompt-lookup --staged-guesses 3 --no-transformers --threads 2 --output $OUT/staged-$(basename $d).json
+done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 1 2 --trees 2/2/3 2/3/4 3/2/5 --drafters medusa=$D/medusa --no-transformers --threads 2 --output $OUT/medusa-s34-zen4.json
+specdec demo > $OUT/demo-zen4-s34.txt 2>&1
