@@ -197,6 +197,9 @@ def add_bench_serve_command(commands) -> None:
     bench.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     bench.add_argument("--requests-per-client", type=int, default=2,
                        help="requests each client sends in turn (a wave is concurrency x this)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="waves of every mode per concurrency, the modes' order reversed every other round; "
+                            "with 2 or more, each mode's median and its ratio to the first mode within each round")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--tasks", default="code-completion",
                        help="the zoo task set the prompts come from; chat sets (humaneval, sharegpt, sharegpt-edit) "
@@ -214,7 +217,7 @@ def run_bench_serve(args) -> int:
 
     check_output_path(args.output)
     check_output_path(args.plot)
-    for name in ("requests_per_client", "max_tokens"):
+    for name in ("requests_per_client", "max_tokens", "rounds"):
         if getattr(args, name) < 1:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(c < 1 for c in args.concurrency):

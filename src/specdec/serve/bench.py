@@ -22,6 +22,10 @@ the client threads and the engine share neither a core nor Python's lock), or in
 (``--in-process``); its start-up time (loading, the engine with its profiling, the HTTP server) is
 reported beside the waves. All servers start first; then each concurrency runs every mode's wave one
 after the other, so the modes are compared minutes apart at most (timings drift on a shared machine).
+With ``--rounds R`` each concurrency runs R rounds of every mode's wave, the modes' order reversed
+every other round (so a drift in the machine's speed weighs on every mode alike); ``rounds_summary``
+then gives each mode's median throughput and per-user speed, and its ratio to the first mode taken
+within each round (waves seconds apart) and its median: the comparison a one-wave spread cannot make.
 """
 
 from __future__ import annotations
@@ -237,9 +241,14 @@ def summarize(results: list[Result], wall: float, concurrency: int, before: dict
 
 
 def run_mode(url: str, prompts: list[str], args) -> list[dict]:
-    """A warm-up request, then one wave per concurrency."""
+    """A warm-up request, then one wave per concurrency (``args.rounds`` of them)."""
     model = warm_up(url, prompts, args)
-    return [run_wave(url, model, prompts, c, args.requests_per_client, args.max_tokens) for c in args.concurrency]
+    return [dict(run_wave(url, model, prompts, c, args.requests_per_client, args.max_tokens), round=r)
+            for c in args.concurrency for r in range(rounds_of(args))]
+
+
+def rounds_of(args) -> int:
+    return getattr(args, "rounds", 1) or 1
 
 
 def warm_up(url: str, prompts: list[str], args) -> str:
@@ -258,7 +267,7 @@ def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
     if args.url is not None:
         result["url"] = args.url
         result["modes"]["server"] = {"waves": run_mode(args.url, prompts, args)}
-        return result
+        return with_rounds(result, args)
 
     result.update(target=args.target, drafter=args.drafter, k=args.k,
                   server="in-process" if args.in_process else "own process")
@@ -272,11 +281,46 @@ def run_bench_serve(args, prompts: list[str], engine_options: dict) -> dict:
                                            "profile_seconds": servers[mode.label].profile_seconds, "waves": []}
         models = {mode: warm_up(server.url, prompts, args) for mode, server in servers.items()}
         for concurrency in args.concurrency:  # each concurrency: the modes one after the other
-            for mode, server in servers.items():
-                wave = run_wave(server.url, models[mode], prompts, concurrency, args.requests_per_client,
-                                args.max_tokens)
-                result["modes"][mode]["waves"].append(wave)
+            for r in range(rounds_of(args)):  # every other round in reverse order: a drift weighs on all alike
+                for mode, server in list(servers.items())[::-1 if r % 2 else 1]:
+                    wave = run_wave(server.url, models[mode], prompts, concurrency, args.requests_per_client,
+                                    args.max_tokens)
+                    result["modes"][mode]["waves"].append(dict(wave, round=r))
+    return with_rounds(result, args)
+
+
+def with_rounds(result: dict, args) -> dict:
+    """The result, with its rounds and their summary when there are several."""
+    if rounds_of(args) > 1:
+        result["rounds"] = rounds_of(args)
+        result["rounds_summary"] = rounds_summary(result)
     return result
+
+
+def rounds_summary(result: dict) -> list[dict]:
+    """Per concurrency, each mode's median throughput and per-user speed over its rounds, and its ratio to
+    the first mode's throughput in the same round (the median, and every round's)."""
+    modes = list(result["modes"])
+    reference = modes[0]
+    summary = []
+    for concurrency in result["concurrency"]:
+        waves = {mode: {w["round"]: w for w in result["modes"][mode]["waves"] if w["concurrency"] == concurrency}
+                 for mode in modes}
+        entry = {"concurrency": concurrency, "reference": reference, "modes": {}}
+        for mode in modes:
+            rounds = sorted(waves[mode])
+            ratios = [waves[mode][r]["throughput"] / waves[reference][r]["throughput"] for r in rounds
+                      if r in waves[reference] and waves[reference][r]["throughput"] > 0]
+            users = [waves[mode][r]["per_user_tokens_per_second"] for r in rounds
+                     if waves[mode][r]["per_user_tokens_per_second"] is not None]
+            entry["modes"][mode] = {
+                "rounds": len(rounds),
+                "throughput": float(np.median([waves[mode][r]["throughput"] for r in rounds])),
+                "per_user_tokens_per_second": float(np.median(users)) if users else None,
+                "ratio_to_reference": float(np.median(ratios)) if ratios else None,
+                "ratios": [round(ratio, 4) for ratio in ratios]}
+        summary.append(entry)
+    return summary
 
 
 @contextlib.contextmanager
@@ -370,6 +414,17 @@ def format_table(result: dict) -> str:
                 for mode, entry in result["modes"].items() if "startup_seconds" in entry]
     if startups:
         lines.append("server start-up: " + ", ".join(startups))
+    if result.get("rounds_summary"):
+        reference = result["rounds_summary"][0]["reference"]
+        lines += ["", f"median of {result['rounds']} rounds (the modes' order reversed every other round); "
+                      f"x {reference}: the median of each round's ratio, then every round's",
+                  f"{'mode':<{width}} {'conc':>4} {'tok/s':>8} {'user tok/s':>10} {'x ' + reference:>10}  rounds"]
+        for entry in result["rounds_summary"]:
+            for mode, m in entry["modes"].items():
+                lines.append(f"{mode:<{width}} {entry['concurrency']:>4} {cell(m['throughput'], '8.1f')} "
+                             f"{cell(m['per_user_tokens_per_second'], '10.1f')} "
+                             f"{cell(m['ratio_to_reference'], '10.3f')}  "
+                             + " ".join(f"{ratio:.3f}" for ratio in m["ratios"]))
     return "\n".join(lines)
 
 
@@ -385,8 +440,11 @@ def plot(result: dict, path) -> None:
 
     figure, axes = plt.subplots(figsize=(6, 4))
     for mode, entry in result["modes"].items():
-        waves = entry["waves"]
-        axes.plot([w["concurrency"] for w in waves], [w["throughput"] for w in waves], marker="o", label=mode)
+        by_concurrency: dict[int, list[float]] = {}
+        for w in entry["waves"]:  # several rounds: their median
+            by_concurrency.setdefault(w["concurrency"], []).append(w["throughput"])
+        concurrency = sorted(by_concurrency)
+        axes.plot(concurrency, [float(np.median(by_concurrency[c])) for c in concurrency], marker="o", label=mode)
     axes.set_xscale("log", base=2)
     concurrency = sorted({w["concurrency"] for entry in result["modes"].values() for w in entry["waves"]})
     axes.set_xticks(concurrency, [str(c) for c in concurrency])
