@@ -229,6 +229,32 @@ def test_admission_follows_survival_and_stops_at_the_first_drop():
     assert admit_by_survival(confidence[:, :0], drafted * 0, cost(1)).tolist() == [0, 0, 0]
 
 
+def test_admission_equals_the_search_that_takes_the_best_next_slot_of_any_row():
+    """The sorted admission is the search the docstring describes: each round, every row's next draft is a
+    candidate, the best survival (ties: lower position, then lower row) is taken while it raises the rate."""
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        rows, k = int(torch.randint(1, 7, (1,), generator=generator)), int(torch.randint(1, 6, (1,), generator=generator))
+        confidence = torch.rand(rows, k, generator=generator, dtype=torch.float64)
+        if trial % 3 == 0:
+            confidence = confidence.round(decimals=1)  # ties
+        drafted = torch.randint(0, k + 1, (rows,), generator=generator)
+        costs = (1.0 + torch.rand(k + 1, generator=generator, dtype=torch.float64).cumsum(0) * 0.2)
+        survival = confidence.cumprod(1).tolist()
+        kept, tokens, best = [0] * rows, float(rows), rows / float(costs[0])
+        while True:
+            candidates = [(-survival[r][kept[r]], kept[r], r) for r in range(rows) if kept[r] < int(drafted[r])]
+            if not candidates:
+                break
+            value, j, r = min(candidates)
+            longest = max([j + 1] + kept)
+            rate = (tokens - value) / float(costs[longest])
+            if not rate > best:
+                break
+            kept[r], tokens, best = kept[r] + 1, tokens - value, rate
+        assert admit_by_survival(confidence, drafted, costs).tolist() == kept, trial
+
+
 def test_scheduler_drafts_less_when_wide_blocks_are_dear():
     kept = {}
     for name, widths in (("cheap", (1.0, 1.0, 1.01, 1.02, 1.03)), ("middle", (1.0, 1.1, 1.2, 1.3, 1.4)),

@@ -393,33 +393,45 @@ class ConfidenceScheduler(LoadAware):
 
     def correction(self, width: int) -> torch.Tensor:
         """Per position j < width: accepted over predicted survival on earlier steps (1 before any)."""
-        ratios = [(self.observed[j] + self.trust) / (self.predicted[j] + self.trust) if j < len(self.predicted)
-                  else 1.0 for j in range(width)]
-        return torch.tensor(ratios, dtype=torch.float64)
+        return torch.tensor(self.ratios(width), dtype=torch.float64)
 
-    def corrected(self, survival: torch.Tensor) -> torch.Tensor:
-        """The drafter's survivals [B, k] scaled by the observed correction, clamped to [0, 1] and
-        non-increasing."""
-        survival = (survival * self.correction(survival.shape[1])).clamp(0.0, 1.0)
-        return survival.cummin(1).values if survival.shape[1] else survival
+    def ratios(self, width: int) -> list[float]:
+        return [(self.observed[j] + self.trust) / (self.predicted[j] + self.trust) if j < len(self.predicted)
+                else 1.0 for j in range(width)]
+
+    def corrected(self, survival: list[list[float]]) -> list[list[float]]:
+        """The drafter's survivals (rows of k) scaled by the observed correction, clamped to [0, 1] and
+        non-increasing along each row."""
+        ratios = self.ratios(len(survival[0]) if survival else 0)
+        out = []
+        for row in survival:
+            lowest, kept = 1.0, []
+            for value, ratio in zip(row, ratios):
+                lowest = min(lowest, min(1.0, max(0.0, value * ratio)))
+                kept.append(lowest)
+            out.append(kept)
+        return out
 
     def cut(self, engine, group, proposal: Proposal) -> Proposal:
+        # On Python floats: a step's rows x drafts are a few dozen numbers, and tensor operations on them
+        # cost more than the arithmetic (0.47 ms a step at one row on the real target, a twentieth of it).
         confidence = proposal_confidence(engine, proposal, self.name)
         rows, width = proposal.tokens.shape[0], min(proposal.k, self.k_max)
         drafting = self.drafting_seconds(rows, proposal.k)  # spent already, in every choice alike
-        costs = torch.tensor([self.verify_seconds(rows, n + 1) + drafting + self.step_overhead(n > 0, rows)
-                              for n in range(width + 1)], dtype=torch.float64)
-        raw = survivals(confidence[:, :width])
+        costs = [self.verify_seconds(rows, n + 1) + drafting + self.step_overhead(n > 0, rows)
+                 for n in range(width + 1)]
+        raw = survivals(confidence[:, :width]).tolist()
         survival = self.corrected(raw)
-        lengths = admit_by_survival(survival, proposal.lengths.clamp(max=width), costs, cumulative=True)
-        kept = torch.arange(width) < lengths.cpu()[:, None]
-        self.pending = (raw * kept).sum(0)
-        expected = (rows + float((survival * kept).sum())) / float(costs[int(lengths.max()) if rows else 0])
+        lengths = admit_slots(survival, proposal.lengths.clamp(max=width).tolist(), costs)
+        self.pending = [sum(raw[r][j] for r in range(rows) if j < lengths[r]) for j in range(width)]
+        kept = sum(survival[r][j] for r in range(rows) for j in range(lengths[r]))
+        expected = (rows + kept) / costs[max(lengths) if rows else 0]
         plain = rows / (self.verify_seconds(rows, 1) + self.step_overhead(False, rows))
         self.losing = 0 if expected > plain else self.losing + 1
         if self.probing:
             self.wait = self.explore if not self.losing else min(2 * self.wait, self.longest_wait)
-        return keep_prefixes(group, proposal, lengths)
+        return keep_prefixes(group, proposal, torch.tensor(lengths, dtype=proposal.lengths.dtype,
+                                                           device=proposal.lengths.device))
 
     def observe(self, engine, group, width, proposed, accepted, timing) -> None:
         self.observe_costs(group.size, width, self.last_choice, timing)
@@ -429,15 +441,15 @@ class ConfidenceScheduler(LoadAware):
             self.count_survival(self.pending, accepted)
         self.pending = None
 
-    def count_survival(self, predicted: torch.Tensor, accepted: list[int]) -> None:
+    def count_survival(self, predicted: list[float], accepted: list[int]) -> None:
         """Fold one step's predicted survivals per position (the kept slots' sums) and accepted drafts
         per row into the correction."""
-        width = predicted.shape[0]
+        width = len(predicted)
         while len(self.predicted) < width:
             self.predicted.append(0.0)
             self.observed.append(0.0)
         for j in range(width):
-            self.predicted[j] = self.decay * self.predicted[j] + float(predicted[j])
+            self.predicted[j] = self.decay * self.predicted[j] + predicted[j]
             self.observed[j] = self.decay * self.observed[j] + sum(a > j for a in accepted)
 
 
@@ -464,21 +476,29 @@ def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: to
     verified never depends on the draft itself or on the ones after it, which is what keeps
     rejection sampling exact.
     """
-    rows, k = confidence.shape
-    if not k:
+    if not confidence.shape[1]:
         return torch.zeros_like(lengths)
     survival = confidence.to("cpu", torch.float64) if cumulative else survivals(confidence)  # [B, k]
-    drafted = torch.arange(k) < lengths.cpu()[:, None]
-    survival = torch.where(drafted, survival, -1.0)  # slots a row did not draft are never worth admitting
-    by_position = survival.T.reshape(-1)  # [k * B], slot (r, j) at j * B + r
-    order = torch.sort(-by_position, stable=True).indices
-    position = order // rows
-    tokens = rows + by_position[order].cumsum(0)  # expected tokens after admitting the first n slots
-    longest = position.cummax(0).values + 1
-    rate = torch.cat([torch.tensor([rows / float(costs[0])], dtype=torch.float64), tokens / costs[longest]])
-    admitted = int((rate[1:] > rate[:-1]).long().cumprod(0).sum())  # up to the first slot that does not raise it
-    counts = torch.bincount(order[:admitted] % rows, minlength=rows)
-    return counts.to(lengths.device)
+    counts = admit_slots(survival.tolist(), lengths.tolist(), [float(c) for c in costs])
+    return torch.tensor(counts, dtype=lengths.dtype, device=lengths.device)
+
+
+def admit_slots(survival: list[list[float]], lengths: list[int], costs: list[float]) -> list[int]:
+    """``admit_by_survival`` on Python floats: survival[r][j] (non-increasing along each row), each row's
+    drafts, costs[n] of a step verifying n drafts per row; the drafts kept per row."""
+    rows = len(survival)
+    slots = sorted((-survival[r][j], j, r) for r in range(rows)
+                   for j in range(min(lengths[r], len(survival[r]))))  # ties: the lower j, then r
+    counts, total, longest, best = [0] * rows, 0.0, 0, rows / costs[0]
+    for negative, j, r in slots:
+        total -= negative
+        longest = max(longest, j + 1)
+        rate = (rows + total) / costs[longest]
+        if not rate > best:  # the first slot that does not raise the rate ends the search
+            break
+        best = rate
+        counts[r] += 1
+    return counts
 
 
 def keep_prefixes(group, proposal: Proposal, lengths: torch.Tensor) -> Proposal:
