@@ -802,3 +802,16 @@ done
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 1 2 --trees 2/2/3 2/3/4 3/2/5 --drafters medusa=$D/medusa --no-transformers --threads 2 --output $OUT/medusa-s34-zen4.json
 specdec demo > $OUT/demo-zen4-s34.txt 2>&1
+# bench-serve in paired rounds (after the departures change and the cut on Python floats)
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s34.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 --rounds 3 --requests-per-client 6 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-1-4-zen4-s34.json
+python docs/measurements/dspark_serve_trace.py 4 > $OUT/dspark-serve-trace-4-zen4-s34.txt 2>&1
+# (the catch-up and best-k variants, reverted, gave dspark-serve-rounds-{1-4-,}catch-up-zen4-s34.json with the same commands)
+git show 834a6c0:src/specdec/models/kernels.c > /tmp/old34.c   # the one-chain VNNI tile tried against it, not kept
+OLD=$(python -c "from pathlib import Path; from specdec.models import kernels; kernels.SOURCE = Path('/tmp/old34.c'); print(kernels.build())")
+for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD smollm2-135m-q4_1 float32 2 1,4,8,16,32 10; done
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s34.json
