@@ -815,3 +815,4 @@ git show 834a6c0:src/specdec/models/kernels.c > /tmp/old34.c   # the one-chain V
 OLD=$(python -c "from pathlib import Path; from specdec.models import kernels; kernels.SOURCE = Path('/tmp/old34.c'); print(kernels.build())")
 for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD smollm2-135m-q4_1 float32 2 1,4,8,16,32 10; done
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s34.json
+# (the prompt entered at admission, reverted: the same paired command -> dspark-serve-rounds-prompt-entered-zen4-s34.json)
