@@ -816,3 +816,17 @@ OLD=$(python -c "from pathlib import Path; from specdec.models import kernels; k
 for o in old,new new,old; do ORDER=$o python docs/measurements/builds_ab.py $OLD smollm2-135m-q4_1 float32 2 1,4,8,16,32 10; done
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s34.json
 # (the prompt entered at admission, reverted: the same paired command -> dspark-serve-rounds-prompt-entered-zen4-s34.json)
+# EAGLE-1 continued twice on the answers cache (final layer's features), then beside the committed folder
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192, "head_vocab": 8192,
+ "optim": {"steps": 700, "lr": 6e-4, "warmup_steps": 20, "eval_every": 350, "bfloat16": true}}' > runs/s34/eagle.json
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config runs/s34/eagle.json --init-from $D/eagle \
+  --data-dir runs/data --out runs/s34/eagle/out --ckpt-dir runs/s34/eagle/ckpt --threads 2 --max-minutes 23
+sed 's/6e-4/3e-4/' runs/s34/eagle.json > runs/s34/eagle2.json
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config runs/s34/eagle2.json --init-from runs/s34/eagle/out \
+  --data-dir runs/data --out runs/s34/eagle2/out --ckpt-dir runs/s34/eagle2/ckpt --threads 2 --max-minutes 14
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 3 4 --draft-p-min 0 0.3 --drafters eagle=runs/s34/eagle2/out eagle=$D/eagle --no-transformers --threads 2 \
+  --output $OUT/eagle-s34-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/eagle-s34-zen4.json'));
+record_fastest(r, 'eagle', 'runs/s34/eagle2/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s34/eagle2/out/{config.json,model.safetensors,training_summary.json} $D/eagle/
