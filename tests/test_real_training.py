@@ -328,6 +328,37 @@ def test_a_killed_feature_build_resumes_with_the_missing_chunks(chat_dir, tmp_pa
     assert FeatureCache(tmp_path / "killed", sets, (1,), 3, 64).choice(tokens) is None  # not built: not read
 
 
+def test_cached_log_normalizers_give_the_targets_probabilities_over_a_draft_vocabulary(chat_dir, tmp_path, monkeypatch):
+    """With its log-normalizers computed once beside the features, the target's log-probabilities over a
+    draft vocabulary's rows are those rows' logits less the normalizer: what the whole vocabulary's
+    log-softmax gives there. The file is read back, not computed again, and not read for other tokens."""
+    sets = random_sets(0)
+    cache = FeatureCache(tmp_path / "cache", sets, (1,), 3, 64)
+    cache.build(chat_dir, lambda m: None)
+    frozen = FrozenTarget(chat_dir, cache)
+    tokens, valid = sets["train"].batch(torch.tensor([0, 3, 5]))
+    at = torch.tensor([[2, 5, 9], [0, 1, 3], [4, 8, 2]])
+    rows = torch.tensor([5, 17, 40, 3, 300])
+    assert cache.normalizer(tokens) is None  # not computed yet: the whole vocabulary's path
+    _, whole = frozen.log_probs(tokens, valid, (1,), at, rows)
+    lines = []
+    cache.normalizers(frozen.head, lines.append)
+    assert sum("log-normalizers" in line for line in lines) == 2  # train and held-out
+    features_rows, over_rows = frozen.log_probs(tokens, valid, (1,), at, rows)
+    assert over_rows.shape == (3, 3, 5)
+    assert torch.allclose(over_rows, whole, atol=1e-5)
+    assert torch.allclose(features_rows, frozen.run(tokens, valid, (1,))[0])
+    _, everything = frozen.log_probs(tokens, valid, (1,), at)  # no rows: the whole vocabulary's log-softmax
+    assert torch.allclose(everything[..., rows], whole)
+
+    again = FeatureCache(tmp_path / "cache", sets, (1,), 3, 64)
+    again.build(chat_dir, lambda m: None)
+    monkeypatch.setattr(features, "log_normalizer", None)  # read back, not computed
+    again.normalizers(frozen.head, lines.append)
+    assert torch.equal(again.normalizer(tokens), cache.normalizer(tokens))
+    assert again.normalizer(torch.full_like(tokens, 7)) is None
+
+
 def test_a_larger_set_copies_the_rows_a_smaller_one_of_the_same_recipe_computed(chat_dir, tmp_path, monkeypatch):
     """Doubling a data set computes the features of the new rows only: the first rows (and an equal
     held-out set) are copied from the smaller set's folder; a folder of other tokens lends nothing."""

@@ -240,6 +240,7 @@ class BlockMethod:
     from_dict: Callable
     config_options: Callable   # train config -> extra keyword arguments of config_class.for_target
     finish: Callable | None = None  # (net, objective, held, log) -> (summary fields, config changes) after training
+    normalized: bool = False   # its loss takes the target's probabilities over the draft vocabulary's rows
 
 
 DFLASH = BlockMethod("dflash", dflash, dflash.DFlashConfig, dflash.DFlashNet, Objective, config_from_dict, lambda config: {})
@@ -279,6 +280,8 @@ def train_blocks(method: BlockMethod, config, target_dir: Path, out_dir: Path, *
     rows = read_draft_vocabulary(config.init_from, net_config.vocab_size) if config.init_from else None
     if rows is not None:
         log(f"[{kind}] drafts scored over the {rows.numel():,} rows of the draft vocabulary of {config.init_from}")
+    if method.normalized and rows is not None and frozen.cache is not None:
+        frozen.cache.normalizers(frozen.head, log)  # those rows' logits, then, not the whole vocabulary's
     objective = method.objective(config, frozen, net_config, rows)
     run_config = {"kind": kind, kind: config_to_dict(config), "target": target.fingerprint()}
     result = run_loop(model=net, config=config.optim, batch_fn=batch_maker(run, salt=31), loss_fn=objective.loss,

@@ -89,11 +89,14 @@ class Objective(block_training.Objective):
 
     def blocks(self, net: dspark.DSparkNet, tokens, valid, anchors, block_size: int, at: torch.Tensor | None = None):
         """(normed outputs [b, N, B, H], the head's logits over the scored rows [b, N, B, V'], the target's
-        logits over its whole vocabulary at positions ``at`` [b, M] as [b, M, V], or None without ``at``)."""
-        features, logits = self.frozen.run(tokens, valid, self.layers, at=at if at is not None else anchors[:, :0])
+        log-probabilities over the scored rows at positions ``at`` [b, M] as [b, M, V'], or None without ``at``)."""
+        if at is None:
+            features, target = self.frozen.run(tokens, valid, self.layers, at=anchors[:, :0])[0], None
+        else:
+            features, target = self.frozen.log_probs(tokens, valid, self.layers, at, self.rows)
         ids = dflash.block_inputs(tokens, anchors, block_size, self.net_config.mask_token_id)
         out = net.blocks(features, F.embedding(ids, self.frozen.embed), anchors)
-        return out, out @ self.head.t(), (logits if at is not None else None)
+        return out, out @ self.head.t(), target
 
     def loss(self, net: dspark.DSparkNet, batch) -> torch.Tensor:
         tokens, valid, anchors, ok = batch
@@ -106,8 +109,7 @@ class Objective(block_training.Objective):
         previous = dspark.previous_tokens(tokens, anchors, size)
         term, code = net.markov(out, previous, self.rows)
         draft = head + term
-        p = torch.softmax(target.float().view(b, n, size, -1), -1)
-        p = p if self.rows is None else p[..., self.rows]                             # the scored rows' share
+        p = target.float().view(b, n, size, -1).exp()                                 # the scored rows' share
         log_q = torch.log_softmax(draft.float(), -1)
         ce = -(p / p.sum(-1, keepdim=True).clamp(min=1e-30) * log_q).sum(-1)          # to p over the scored rows
         l1 = (log_q.exp() - p).abs().sum(-1) + (1 - p.sum(-1)).clamp(min=0)          # q is 0 elsewhere: 0 .. 2
@@ -275,7 +277,7 @@ def fit_temperatures(logits: torch.Tensor, labels: torch.Tensor, real: torch.Ten
 DSPARK = block_training.BlockMethod(
     "dspark", dspark, dspark.DSparkConfig, dspark.DSparkNet, Objective, config_from_dict,
     lambda config: {"markov_rank": config.shape.markov_rank, "markov_head_type": config.shape.markov_head},
-    lambda net, objective, held, log: objective.calibrate(net, held, log))
+    lambda net, objective, held, log: objective.calibrate(net, held, log), normalized=True)
 
 
 def train_dspark(config: DSparkTrainConfig, target_dir: Path, out_dir: Path, **options) -> dict[str, Any]:

@@ -580,6 +580,21 @@ class FrozenTarget:
             logits = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[2]))
         return (features, logits, chosen) if choice else (features, logits)
 
+    @torch.no_grad()
+    def log_probs(self, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...], at: torch.Tensor,
+                  rows: torch.Tensor | None = None):
+        """(features [B, T, len(layers) * H], the target's log-probabilities at positions ``at`` [B, M] over
+        ``rows`` [B, M, len(rows)] (all: None)): from a cache with its log-normalizers
+        (``FeatureCache.normalizers``) the product with those rows of the head only, less the normalizer;
+        else the log-softmax of the whole vocabulary's logits."""
+        lse = self.cache.normalizer(tokens) if self.cache is not None and rows is not None else None
+        if lse is not None:
+            features, logits = self.run(tokens, valid, layers, at=at, rows=rows)
+            return features, logits - lse.gather(1, at)[:, :, None]
+        features, logits = self.run(tokens, valid, layers, at=at)
+        logp = torch.log_softmax(logits.float(), -1)
+        return features, logp if rows is None else logp[..., rows]
+
 
 class FeatureCache:
     """Hidden states of fixed sequence sets, computed once by a batched bfloat16 forward pass (the
@@ -602,6 +617,7 @@ class FeatureCache:
         self.final = self.layers.index(num_layers)
         self.arrays: dict[str, "np.memmap"] = {}
         self.choices: dict[str, torch.Tensor] = {}  # the target's argmax per set [N, T] (build)
+        self.log_normalizers: dict[str, torch.Tensor] = {}  # its logsumexp per set [N, T] (normalizers)
         self.rows = {seqs.tokens[row].numpy().tobytes(): (name, row)
                      for name, seqs in sets.items() for row in range(seqs.tokens.shape[0])}
 
@@ -718,31 +734,52 @@ class FeatureCache:
         [N, T] (-1 at padding), from the cached final states and the head, computed once and kept in
         ``<set>.choices.npy`` with the digest of the set's tokens it was computed for: objectives that learn
         over a draft vocabulary then take the target's logits over that vocabulary only, yet know its choice."""
-        from tqdm import tqdm
-
         from specdec.models.kernels import fast_bfloat16
-
-        path, digest = self.folder / f"{name}.choices.npy", self.folder / f"{name}.choices.tokens"
-        if path.is_file() and digest.is_file() and digest.read_text() == self.digest(name):
-            return torch.from_numpy(np.load(path)).long()
         from specdec.train.distill import load_frozen_target
 
-        seqs, final = self.sets[name], self.arrays[name]
-        dtype = torch.bfloat16 if fast_bfloat16() else torch.float32
-        head = load_frozen_target(target_dir).get_output_embeddings().weight.detach().to(dtype)
-        out = torch.full(tuple(seqs.tokens.shape), -1, dtype=torch.int32)
+        def head() -> torch.Tensor:
+            dtype = torch.bfloat16 if fast_bfloat16() else torch.float32
+            return load_frozen_target(target_dir).get_output_embeddings().weight.detach().to(dtype)
+
+        return self._per_position(name, "choices", head, lambda states, w: (states.to(w.dtype) @ w.t()).argmax(-1),
+                                  torch.int32, -1, log, "the target's choices").long()
+
+    def normalizers(self, head: torch.Tensor, log: Callable[[str], None]) -> None:
+        """The log-normalizer of the target's distribution (logsumexp of its whole vocabulary's logits, the
+        final states times ``head`` in float32 as ``FrozenTarget.run`` takes them) at every real position of
+        every set, computed once into ``<set>.lse.npy`` (0 at padding): an objective that needs the target's
+        probabilities over a draft vocabulary then takes those rows' logits only (``normalizer``)."""
+        head = head.float()
+        for name in self.sets:
+            self.log_normalizers[name] = self._per_position(
+                name, "lse", lambda: head, lambda states, w: log_normalizer(states.float() @ w.t()),
+                torch.float32, 0.0, log, "the target's log-normalizers")
+
+    def _per_position(self, name: str, suffix: str, head: Callable[[], torch.Tensor],
+                      value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, fill,
+                      log: Callable[[str], None], what: str) -> torch.Tensor:
+        """[N, T] ``value(final states [n, H], head)`` at every real position of set ``name`` (``fill`` at
+        padding), kept in ``<set>.<suffix>.npy`` beside the digest of the tokens it was computed for."""
+        from tqdm import tqdm
+
+        path, digest = self.folder / f"{name}.{suffix}.npy", self.folder / f"{name}.{suffix}.tokens"
+        if path.is_file() and digest.is_file() and digest.read_text() == self.digest(name):
+            return torch.from_numpy(np.load(path))
+        seqs, final, weights = self.sets[name], self.arrays[name], head()
+        out = torch.full(tuple(seqs.tokens.shape), fill, dtype=dtype)
         step = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
-        for start in tqdm(range(0, seqs.tokens.shape[0], step), desc=f"choices {name}", unit="chunk"):
+        for start in tqdm(range(0, seqs.tokens.shape[0], step), desc=f"{suffix} {name}", unit="chunk"):
             rows = slice(start, start + step)
             real = seqs.batch(torch.arange(seqs.tokens.shape[0])[rows])[1]         # [n, T] bool
             states = torch.from_numpy(np.array(final[rows, :, self.final])).view(torch.bfloat16)[real]
             with torch.no_grad():
-                out[rows][real] = (states.to(dtype) @ head.t()).argmax(-1).int()
+                out[rows][real] = value(states, weights).to(dtype)
         np.save(path.with_suffix(".tmp.npy"), out.numpy())
         os.replace(path.with_suffix(".tmp.npy"), path)
         write_text_atomic(digest, self.digest(name))
-        log(f"[features] {name}: the target's choices at {int((out >= 0).sum())} positions -> {path.name}")
-        return out.long()
+        log(f"[features] {name}: {what} at {int(seqs.batch(torch.arange(seqs.tokens.shape[0]))[1].sum())} "
+            f"positions -> {path.name}")
+        return out
 
     def lookup(self, tokens: torch.Tensor, layers: tuple[int, ...]):
         """(features [B, T, len(layers) * H], final normed state [B, T, H]) in float32, or None when a
@@ -759,10 +796,25 @@ class FeatureCache:
     def choice(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The target's argmax over its vocabulary [B, T] at the rows' positions (-1 at padding), or None
         when a row is not cached."""
+        return self._rows_of(self.choices, tokens)
+
+    def normalizer(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The target's log-normalizer [B, T] at the rows' positions, or None when a row is not cached or
+        ``normalizers`` was not run."""
+        return self._rows_of(self.log_normalizers, tokens)
+
+    def _rows_of(self, per_set: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor | None:
         found = [self.rows.get(row.numpy().tobytes()) for row in tokens]
-        if any(item is None or item[0] not in self.choices for item in found):
+        if any(item is None or item[0] not in per_set for item in found):
             return None
-        return torch.stack([self.choices[name][row] for name, row in found])
+        return torch.stack([per_set[name][row] for name, row in found])
+
+
+def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last axis as the largest logit less the log of its softmax probability: the
+    softmax is one fused pass (torch's logsumexp took 7x as long on these CPUs)."""
+    probs = torch.softmax(logits, -1)
+    return logits.max(-1).values - probs.max(-1).values.log()
 
 
 def layer_states(model, tokens: torch.Tensor, valid: torch.Tensor, layers: tuple[int, ...],
