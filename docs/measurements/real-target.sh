@@ -830,3 +830,29 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/eagle-s34-zen4.json'));
 record_fastest(r, 'eagle', 'runs/s34/eagle2/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s34/eagle2/out/{config.json,model.safetensors,training_summary.json} $D/eagle/
+
+# ---- thirty-fifth session: the same Zen 4 model (AMD EPYC family 25 model 17; avx512f/bw/vl, avx512_bf16, avx512_vnni) ----
+# The answers data's 4-layer feature cache, rebuilt without training (20 min of features, 4 of choices)
+mkdir -p runs/s35
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192}' > runs/s35/data.json
+specdec train dflash --target smollm2-135m --preset dflash-sharegpt --config runs/s35/data.json --data-dir runs/data \
+  --out runs/s35/data --threads 2 --data-only
+# DSpark, then DFlash, continued over their draft vocabularies for about 19 minutes each (DSpark's first run also
+# writes the target's log-normalizers beside the features, 7 min once)
+for run in dspark:1200 dflash:1600; do IFS=: read m steps <<< "$run"
+  echo "{\"source\": \"sharegpt-answers\", \"train_sequences\": 3072, \"code_requests\": 1024, \"prefix_len\": 256,
+   \"generated_len\": 192, \"optim\": {\"steps\": $steps, \"lr\": 3e-4, \"warmup_steps\": 20, \"eval_every\": $((steps/2))}}" > runs/s35/$m.json
+  specdec train $m --target smollm2-135m --preset $m-sharegpt --config runs/s35/$m.json --init-from $D/$m --data-dir runs/data \
+    --out runs/s35/$m/out --ckpt-dir runs/s35/$m/ckpt --threads 2 --max-minutes 24
+done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --block-sizes 2 4 7 8 --drafters dflash=runs/s35/dflash/out dflash=$D/dflash dspark=runs/s35/dspark/out dspark=$D/dspark \
+  eagle3 --no-transformers --threads 2 --output $OUT/block-s35-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/block-s35-zen4.json')); [record_fastest(r, m, f'runs/s35/{m}/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True) for m in ('dflash', 'dspark')]"
+for m in dflash dspark; do cp runs/s35/$m/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/$m/; done
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --temperature 0.7 --block-sizes 7 8 --drafters dflash dspark --no-transformers --threads 2 --output $OUT/block-t07-s35-zen4.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s35.json
+specdec demo > $OUT/demo-zen4-s35.txt 2>&1
