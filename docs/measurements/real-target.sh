@@ -856,3 +856,9 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s35.json
 specdec demo > $OUT/demo-zen4-s35.txt 2>&1
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 --rounds 3 --requests-per-client 6 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-1-4-zen4-s35.json
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence -k 4 \
+  --concurrency 1 4 --rounds 3 --requests-per-client 6 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output runs/s35/serve-k4.json   # the scheduler allowed 4 drafts: not kept
