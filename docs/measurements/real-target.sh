@@ -862,3 +862,13 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence -k 4 \
   --concurrency 1 4 --rounds 3 --requests-per-client 6 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output runs/s35/serve-k4.json   # the scheduler allowed 4 drafts: not kept
+# EAGLE-1 continued once more on the answers cache (final layer's features), then beside the committed folder
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192, "head_vocab": 8192,
+ "optim": {"steps": 700, "lr": 2e-4, "warmup_steps": 20, "eval_every": 350, "bfloat16": true}}' > runs/s35/eagle.json
+specdec train eagle --target smollm2-135m --preset eagle-sharegpt-self --config runs/s35/eagle.json --init-from $D/eagle \
+  --data-dir runs/data --out runs/s35/eagle/out --ckpt-dir runs/s35/eagle/ckpt --threads 2 --max-minutes 14
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 3 4 --drafters eagle=runs/s35/eagle/out eagle=$D/eagle --no-transformers --threads 2 --output $OUT/eagle-s35-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/eagle-s35-zen4.json'));
+record_fastest(r, 'eagle', 'runs/s35/eagle/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s35/eagle/out/{config.json,model.safetensors,training_summary.json} $D/eagle/
