@@ -458,16 +458,14 @@ def survivals(confidence: torch.Tensor) -> torch.Tensor:
     return confidence.detach().to("cpu", torch.float64).clamp(0.0, 1.0).cumprod(1)
 
 
-def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor,
-                      cumulative: bool = False) -> torch.Tensor:
+def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
     """Drafts kept per row [B]: slots (r, j) in descending survival s[r, j] = c[r, 0] ... c[r, j]
     (ties: the lower position first, then the lower row), each admitted while the rate
     (B + sum of admitted survivals) / costs[longest row admitted] rises; the first slot that does
     not raise it ends the search.
 
     confidence: [B, k] c[r, j] = P(draft j accepted | drafts before it were); lengths: [B] drafts
-    each row has; costs: [k + 1] seconds of a step verifying n = 0..k drafts per row. cumulative: the
-    first argument holds the survivals s[r, j] themselves (non-increasing along each row).
+    each row has; costs: [k + 1] seconds of a step verifying n = 0..k drafts per row.
 
     Survival falls along a row, so this order is the one of always taking the best next slot of any
     row: a row's kept drafts are a prefix, and with the stop at the first drop the decision is that
@@ -478,8 +476,7 @@ def admit_by_survival(confidence: torch.Tensor, lengths: torch.Tensor, costs: to
     """
     if not confidence.shape[1]:
         return torch.zeros_like(lengths)
-    survival = confidence.to("cpu", torch.float64) if cumulative else survivals(confidence)  # [B, k]
-    counts = admit_slots(survival.tolist(), lengths.tolist(), [float(c) for c in costs])
+    counts = admit_slots(survivals(confidence).tolist(), lengths.tolist(), [float(c) for c in costs])
     return torch.tensor(counts, dtype=lengths.dtype, device=lengths.device)
 
 

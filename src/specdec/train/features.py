@@ -767,18 +767,18 @@ class FeatureCache:
             return torch.from_numpy(np.load(path))
         seqs, final, weights = self.sets[name], self.arrays[name], head()
         out = torch.full(tuple(seqs.tokens.shape), fill, dtype=dtype)
-        step = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1])
+        step, positions = max(1, self.CHUNK_TOKENS // seqs.tokens.shape[1]), 0
         for start in tqdm(range(0, seqs.tokens.shape[0], step), desc=f"{suffix} {name}", unit="chunk"):
             rows = slice(start, start + step)
             real = seqs.batch(torch.arange(seqs.tokens.shape[0])[rows])[1]         # [n, T] bool
             states = torch.from_numpy(np.array(final[rows, :, self.final])).view(torch.bfloat16)[real]
             with torch.no_grad():
                 out[rows][real] = value(states, weights).to(dtype)
+            positions += int(real.sum())
         np.save(path.with_suffix(".tmp.npy"), out.numpy())
         os.replace(path.with_suffix(".tmp.npy"), path)
         write_text_atomic(digest, self.digest(name))
-        log(f"[features] {name}: {what} at {int(seqs.batch(torch.arange(seqs.tokens.shape[0]))[1].sum())} "
-            f"positions -> {path.name}")
+        log(f"[features] {name}: {what} at {positions} positions -> {path.name}")
         return out
 
     def lookup(self, tokens: torch.Tensor, layers: tuple[int, ...]):
