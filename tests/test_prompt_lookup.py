@@ -1,6 +1,8 @@
 import torch
 
-from specdec.drafters.prompt_lookup import lookup
+import random
+
+from specdec.drafters.prompt_lookup import lookup, match_starts
 
 
 def t(values):
@@ -32,3 +34,17 @@ def test_overlapping_continuation_extends_the_period_and_never_matches_itself():
     assert lookup(t([9, 5, 6, 7, 5]), max_ngram=1, min_ngram=1, k=7).tolist() == [6, 7, 5, 6, 7, 5, 6]
     assert lookup(t([5]), max_ngram=3, min_ngram=1, k=4).tolist() == []
     assert lookup(t([1, 2, 3]), max_ngram=3, min_ngram=1, k=4).tolist() == []
+
+
+def test_match_starts_are_every_earlier_occurrence_longest_tail_first():
+    """The longest tail is bisected (a tail that occurs makes every shorter one occur): the starts are what
+    scanning every n-gram from the longest down gives, most recent first within each n."""
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 40))]
+        max_ngram = rng.randrange(1, 9)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        expected = [start + n for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1)
+                    for start in reversed(range(len(tokens) - n))
+                    if tokens[start: start + n] == tokens[len(tokens) - n:]]
+        assert list(match_starts(t(tokens), max_ngram, min_ngram)) == expected, (tokens, max_ngram, min_ngram)

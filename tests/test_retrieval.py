@@ -44,6 +44,24 @@ def test_find_returns_exactly_the_occurrences(small_store):
             assert found == expected, query  # never across the end of a sequence
 
 
+def test_match_is_the_longest_occurring_tail(small_store):
+    """match bisects over the tail's length; it finds what trying every length finds, ids outside the
+    vocabulary (a separator, a token the store cannot hold) ending the tail."""
+    sequences, store = small_store
+    rng = random.Random(2)
+    for _ in range(400):
+        context = [rng.choice([-1, 7]) if rng.random() < 0.05 else rng.randrange(6) for _ in range(rng.randrange(12))]
+        max_ngram = rng.randrange(1, 10)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        expected = (0, 0, 0)
+        for n in range(min_ngram, min(max_ngram, store.key_length, len(context)) + 1):
+            tail = context[len(context) - n:]
+            if not all(0 <= token < 6 for token in tail) or not brute_force(sequences, tail):
+                break
+            expected = (n, *store.find(tail))
+        assert store.match(context, max_ngram, min_ngram) == expected, (context, max_ngram, min_ngram)
+
+
 def test_continuations_follow_the_longest_tail_and_stop_at_a_sequence_end(tmp_path):
     store = Datastore(build_datastore([[1, 2, 3, 4, 5], [9, 3, 4, 7], [3, 4, 8, 8, 8, 8]], tmp_path / "s", vocab_size=10))
     # tail (2, 3, 4) occurs once: followed by 5, then the sequence ends

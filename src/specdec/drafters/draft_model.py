@@ -270,10 +270,11 @@ class DraftModelSession:
         batch, device = seqs.batch_size, seqs.tokens.device
         # the committed tokens and the drafts so far, what the guesser reads (room for a pass past k)
         context = Sequences.widened(seqs, k + self.staged_guesses + 1, self.pad)
-        drafts = torch.zeros(batch, k, dtype=torch.long, device=device)
+        # room for a pass's every draft past the last kept one: slots past a row's count are padding
+        drafts = torch.zeros(batch, k + self.staged_guesses + 1, dtype=torch.long, device=device)
         counts = torch.zeros(batch, dtype=torch.long, device=device)
         going = torch.ones(batch, dtype=torch.bool, device=device)  # below k drafts and not cut by p_min
-        rows, columns = torch.arange(batch, device=device)[:, None], torch.arange(k + 1, device=device)
+        columns = torch.arange(k + 1, device=device)
         unseen, unseen_valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
         while True:
             width = min(self.staged_guesses, int(torch.where(going, k - counts, 0).max()) - 1)  # no guess past k
@@ -286,15 +287,13 @@ class DraftModelSession:
             before = self.cache.lengths.clone()
             logits, _ = self.cache.forward(torch.cat([unseen, guesses], 1), torch.cat([unseen_valid, guessed], 1),
                                            logits_to_keep=width + 1)
-            chosen = self._next(logits.reshape(batch * (width + 1), -1))[0].view(batch, width + 1)
-            kept = ((chosen[:, :width] == guesses) & guessed).long().cumprod(1).sum(1)  # leading agreeing guesses
+            kept, chosen = self._agreeing(logits, guesses, lengths)
             new = torch.minimum(kept + 1, k - counts) * going
             if self.p_min is not None:  # each draft's own top probability, as ConfidenceStop reads it
                 sure = (top_probability(logits) >= self.p_min).long().cumprod(1).sum(1)
                 going &= sure >= new
                 new = torch.minimum(new, sure)
-            placed = columns[:width + 1] < new[:, None]
-            drafts[rows.expand(-1, width + 1)[placed], (counts[:, None] + columns[:width + 1])[placed]] = chosen[placed]
+            drafts.scatter_(1, counts[:, None] + columns[:width + 1], chosen)  # the next pass writes from counts + new
             context.append(chosen, new)
             counts = counts + new
             going &= counts < k
@@ -302,6 +301,23 @@ class DraftModelSession:
             if not bool(going.any()):
                 return Proposal(drafts[:, :int(counts.max())], counts)
             unseen, unseen_valid = chosen.gather(1, kept[:, None]), going[:, None].clone()
+
+    def _agreeing(self, logits: torch.Tensor, guesses: torch.Tensor, lengths: torch.Tensor):
+        """A staged pass's outcome from its logits [B, W + 1, V] and the guesses [B, W] it read (a row's first
+        ``lengths`` real): (kept [B], its leading guesses equal to the drafts; chosen [B, W + 1], the drafts
+        after the unseen tokens and after each guess, meaningful up to column kept). Greedy over the whole
+        vocabulary, one kernel call (argmax only where a row gets to); otherwise the argmax of every column."""
+        batch, width = guesses.shape
+        found = None
+        if self.vocabulary is None and logits.shape[-1] == self.target_vocab:
+            found = kernels.greedy_accept(logits, guesses, lengths)
+        if found is not None:
+            kept, following = found
+            chosen = torch.cat([guesses, following[:, None]], 1)  # the guesses kept are the drafts there
+            return kept, chosen.scatter_(1, kept[:, None], following[:, None])
+        chosen = self._next(logits.reshape(batch * (width + 1), -1))[0].view(batch, width + 1)
+        guessed = torch.arange(width, device=guesses.device) < lengths[:, None]
+        return ((chosen[:, :width] == guesses) & guessed).long().cumprod(1).sum(1), chosen
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [..., V] that rank tree candidates (warped when sampling)."""

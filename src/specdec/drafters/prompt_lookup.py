@@ -34,10 +34,22 @@ def match_starts(tokens: torch.Tensor, max_ngram: int, min_ngram: int):
     """Where continuations of the context's tail start: longest tail n-gram first, and for each n
     the most recent earlier occurrence first. tokens: [L] long, the whole context."""
     length = tokens.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
-        hits = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
-        for hit in reversed(hits):
+    found: dict[int, list[int]] = {}
+
+    def hits(n: int) -> list[int]:  # window starts, in order, of every earlier occurrence of the n-token tail
+        if n not in found:
+            windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
+            found[n] = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
+        return found[n]
+
+    # Where the n-token tail occurs, the (n-1)-token one does too (one place on), so the longest tail that
+    # occurs is bisected; the longer ones have nothing to yield.
+    occurs, absent = min_ngram - 1, min(max_ngram, length - 1) + 1
+    while absent - occurs > 1:
+        n = (occurs + absent) // 2
+        occurs, absent = (n, absent) if hits(n) else (occurs, n)
+    for n in range(occurs, min_ngram - 1, -1):
+        for hit in reversed(hits(n)):
             yield hit + n
 
 

@@ -147,20 +147,30 @@ class Datastore:
         start = bisect.bisect_left(entries, query, key=window)
         return start, bisect.bisect_right(entries, query, lo=start, key=window)
 
+    def occurs(self, query: Sequence[int]) -> bool:
+        """Whether ``query`` (at most key_length tokens) starts some entry: one bisection where ``find`` takes two."""
+        query = list(query)
+        entries = range(self.order.shape[0])
+        start = bisect.bisect_left(entries, query, key=lambda index: self._window(index, len(query)))
+        return start < len(entries) and self._window(start, len(query)) == query
+
     def match(self, context: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[int, int, int]:
         """(n, lo, hi): the longest tail of ``context`` (max_ngram down to min_ngram tokens) found here and
-        its entries [lo, hi) of ``order``; n = 0 where no tail of min_ngram tokens occurs."""
+        its entries [lo, hi) of ``order``; n = 0 where no tail of min_ngram tokens occurs. Where a tail
+        does not occur no longer one does, so the longest is bisected over n (each probe ``occurs``), and
+        only its entries are then found."""
         longest = min(max_ngram, self.key_length, len(context))
-        found, span = 0, (0, 0)
-        for n in range(min_ngram, longest + 1):  # where a tail does not occur, no longer tail does
-            tail = context[len(context) - n:]
-            if min(tail) < 0 or max(tail) >= self.vocab_size:
-                break
-            hits = self.find(tail)
-            if hits[0] == hits[1]:
-                break
-            found, span = n, hits
-        return (found, *span) if found >= min_ngram else (0, 0, 0)
+        valid = 0  # the longest tail of token ids this datastore can hold
+        while valid < longest and 0 <= context[len(context) - 1 - valid] < self.vocab_size:
+            valid += 1
+        found, absent = min_ngram - 1, valid + 1  # tails up to found occur; tails from absent on do not
+        while absent - found > 1:
+            n = (found + absent) // 2
+            if self.occurs(context[len(context) - n:]):
+                found = n
+            else:
+                absent = n
+        return (found, *self.find(context[len(context) - found:])) if found >= min_ngram else (0, 0, 0)
 
     def following(self, found: int, lo: int, hi: int, depth: int, samples: int) -> list[list[int]]:
         """What followed the ``found``-token tail at entries [lo, hi): ``depth`` tokens (fewer where its
