@@ -367,8 +367,8 @@ def test_a_quantized_draft_model_drafts_over_a_draft_vocabulary(quantized_file, 
     alone = generate(target, prompts, drafter=drafter, num_draft_tokens=3, max_new_tokens=20)
     assert alone.token_ids == plain
     # staged on prompt lookup, the guesses checked against the draft vocabulary's argmax: the same drafts
-    staged = generate(target, prompts, num_draft_tokens=3, max_new_tokens=20,
-                      drafter=DraftModel(quantized_file, draft_vocab=tmp_path / "draft_vocab.json", staged="prompt-lookup"))
+    staged = DraftModel(quantized_file, draft_vocab=tmp_path / "draft_vocab.json", staged="prompt-lookup")
+    staged = generate(target, prompts, drafter=staged, num_draft_tokens=3, max_new_tokens=20)
     assert staged.token_ids == plain and staged.stats.accepted_at == alone.stats.accepted_at
     assert isinstance(drafter.head, QMatrix) and drafter.head.qtype == "Q8_0" and drafter.head.cols == len(ids)
     if whole.backend.model.head.qtype == "Q8_0":

@@ -872,3 +872,18 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/eagle-s35-zen4.json'));
 record_fastest(r, 'eagle', 'runs/s35/eagle/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s35/eagle/out/{config.json,model.safetensors,training_summary.json} $D/eagle/
+# ---- thirty-sixth session (Zen 4) ----
+# EAGLE-3 continued on the 4-layer answers cache, then beside the committed folder (not kept: no gain)
+mkdir -p runs/s36
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "ttt_steps": 3, "optim": {"steps": 420, "lr": 2e-4, "warmup_steps": 20, "eval_every": 210}}' > runs/s36/eagle3.json
+specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --config runs/s36/eagle3.json --init-from $D/eagle3 \
+  --data-dir runs/data --out runs/s36/eagle3/out --ckpt-dir runs/s36/eagle3/ckpt --threads 2 --max-minutes 40
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  -k 3 --draft-p-min 0 0.2 --drafters eagle3=runs/s36/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
+  --output $OUT/eagle3-s36-zen4.json
+# Where a staged pass goes (run at the commit before the staged loop's change, then after it)
+python docs/measurements/staged_pass_parts.py > $OUT/staged-pass-parts-zen4-s36.txt
+# Staged variants beside the modules of 5f2efff (the commit before the staged loop and lookups changed)
+python docs/measurements/staged_variants.py 6 64 "old G3,G3,G2,G4,G3 n>=2,G3 p0.2,old R3,R3" 5f2efff \
+  > $OUT/staged-variants-zen4-s36.txt

@@ -30,6 +30,17 @@ def continuation(tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
     return found
 
 
+def longest_occurring(shortest: int, longest: int, occurs) -> int:
+    """The largest n in [shortest, longest] with ``occurs(n)``, or shortest - 1 where there is none, bisected: a
+    context's n-token tail that occurs somewhere makes its (n-1)-token tail occur (one place on), so ``occurs``
+    holds up to some n and fails beyond it."""
+    found, absent = shortest - 1, longest + 1
+    while absent - found > 1:
+        n = (found + absent) // 2
+        found, absent = (n, absent) if occurs(n) else (found, n)
+    return found
+
+
 def match_starts(tokens: torch.Tensor, max_ngram: int, min_ngram: int):
     """Where continuations of the context's tail start: longest tail n-gram first, and for each n
     the most recent earlier occurrence first. tokens: [L] long, the whole context."""
@@ -42,13 +53,8 @@ def match_starts(tokens: torch.Tensor, max_ngram: int, min_ngram: int):
             found[n] = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
         return found[n]
 
-    # Where the n-token tail occurs, the (n-1)-token one does too (one place on), so the longest tail that
-    # occurs is bisected; the longer ones have nothing to yield.
-    occurs, absent = min_ngram - 1, min(max_ngram, length - 1) + 1
-    while absent - occurs > 1:
-        n = (occurs + absent) // 2
-        occurs, absent = (n, absent) if hits(n) else (occurs, n)
-    for n in range(occurs, min_ngram - 1, -1):
+    longest = longest_occurring(min_ngram, min(max_ngram, length - 1), lambda n: bool(hits(n)))
+    for n in range(longest, min_ngram - 1, -1):  # the longer tails, which do not occur, have nothing to yield
         for hit in reversed(hits(n)):
             yield hit + n
 

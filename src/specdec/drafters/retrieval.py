@@ -39,7 +39,7 @@ import torch
 from specdec.backends.target import resolve_model
 from specdec.batch import Sequences
 from specdec.drafters.base import DecodeContext, Proposal, StatelessSession, TreeConfig, recorded_defaults
-from specdec.drafters.prompt_lookup import lookup_many, tree_proposal
+from specdec.drafters.prompt_lookup import longest_occurring, lookup_many, tree_proposal
 from specdec.errors import InvalidArgumentError, SpecdecError
 
 FORMAT = "specdec-datastore"
@@ -163,13 +163,7 @@ class Datastore:
         valid = 0  # the longest tail of token ids this datastore can hold
         while valid < longest and 0 <= context[len(context) - 1 - valid] < self.vocab_size:
             valid += 1
-        found, absent = min_ngram - 1, valid + 1  # tails up to found occur; tails from absent on do not
-        while absent - found > 1:
-            n = (found + absent) // 2
-            if self.occurs(context[len(context) - n:]):
-                found = n
-            else:
-                absent = n
+        found = longest_occurring(min_ngram, valid, lambda n: self.occurs(context[len(context) - n:]))
         return (found, *self.find(context[len(context) - found:])) if found >= min_ngram else (0, 0, 0)
 
     def following(self, found: int, lo: int, hi: int, depth: int, samples: int) -> list[list[int]]:
