@@ -882,8 +882,21 @@ specdec train eagle3 --target smollm2-135m --preset eagle3-sharegpt-self --confi
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
   -k 3 --draft-p-min 0 0.2 --drafters eagle3=runs/s36/eagle3/out eagle3=$D/eagle3 --no-transformers --threads 2 \
   --output $OUT/eagle3-s36-zen4.json
-# Where a staged pass goes (run at the commit before the staged loop's change, then after it)
+# Where a staged pass goes: in a checkout of 5f2efff (git worktree add /tmp/old 5f2efff; cd /tmp/old; PYTHONPATH=src
+# python <this repo>/docs/measurements/staged_pass_parts.py), then here; twice each, appended
 python docs/measurements/staged_pass_parts.py > $OUT/staged-pass-parts-zen4-s36.txt
 # Staged variants beside the modules of 5f2efff (the commit before the staged loop and lookups changed)
 python docs/measurements/staged_variants.py 6 64 "old G3,G3,G2,G4,G3 n>=2,G3 p0.2,old R3,R3" 5f2efff \
   > $OUT/staged-variants-zen4-s36.txt
+# DSpark continued once more, then beside the committed folder and DFlash's
+echo '{"source": "sharegpt-answers", "train_sequences": 3072, "code_requests": 1024, "prefix_len": 256, "generated_len": 192,
+ "optim": {"steps": 1200, "lr": 2e-4, "warmup_steps": 20, "eval_every": 600}}' > runs/s36/dspark.json
+specdec train dspark --target smollm2-135m --preset dspark-sharegpt --config runs/s36/dspark.json --init-from $D/dspark \
+  --data-dir runs/data --out runs/s36/dspark/out --ckpt-dir runs/s36/dspark/ckpt --threads 2 --max-minutes 24
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --block-sizes 2 7 --drafters dspark=runs/s36/dspark/out dspark=$D/dspark dflash --no-transformers --threads 2 \
+  --output $OUT/block-s36-zen4.json
+python -c "import json; from specdec.commands.bench import record_fastest; r = json.load(open('$OUT/block-s36-zen4.json'));
+record_fastest(r, 'dspark', 'runs/s36/dspark/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
+cp runs/s36/dspark/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/dspark/
+specdec demo > $OUT/demo-zen4-s36.txt 2>&1
