@@ -900,3 +900,6 @@ python -c "import json; from specdec.commands.bench import record_fastest; r = j
 record_fastest(r, 'dspark', 'runs/s36/dspark/out', 'sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16', several=True)"
 cp runs/s36/dspark/out/{config.json,model.safetensors,training_summary.json,draft_vocab.json} $D/dspark/
 specdec demo > $OUT/demo-zen4-s36.txt 2>&1
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s36.json
