@@ -139,20 +139,23 @@ class Datastore:
         position = int(self.order[index])
         return self.tokens[position: position + n].tolist()
 
+    def _first(self, query: list[int]) -> int:
+        """The first entry of ``order`` whose next len(query) tokens are not below ``query``."""
+        return bisect.bisect_left(range(self.order.shape[0]), query, key=lambda index: self._window(index, len(query)))
+
     def find(self, query: Sequence[int]) -> tuple[int, int]:
         """[lo, hi): the entries of ``order`` whose next len(query) tokens equal ``query`` (at most
         key_length tokens)."""
         query = list(query)
-        entries, window = range(self.order.shape[0]), lambda index: self._window(index, len(query))
-        start = bisect.bisect_left(entries, query, key=window)
-        return start, bisect.bisect_right(entries, query, lo=start, key=window)
+        start = self._first(query)
+        return start, bisect.bisect_right(range(self.order.shape[0]), query, lo=start,
+                                          key=lambda index: self._window(index, len(query)))
 
     def occurs(self, query: Sequence[int]) -> bool:
         """Whether ``query`` (at most key_length tokens) starts some entry: one bisection where ``find`` takes two."""
         query = list(query)
-        entries = range(self.order.shape[0])
-        start = bisect.bisect_left(entries, query, key=lambda index: self._window(index, len(query)))
-        return start < len(entries) and self._window(start, len(query)) == query
+        start = self._first(query)
+        return start < self.order.shape[0] and self._window(start, len(query)) == query
 
     def match(self, context: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[int, int, int]:
         """(n, lo, hi): the longest tail of ``context`` (max_ngram down to min_ngram tokens) found here and
