@@ -188,33 +188,44 @@ def test_passes_after_no_context_read_no_empty_block(timed_backend):
 
 
 def test_bench_measures_a_draft_model_staged_and_alone_and_records_the_staged_choice(model_dirs, tmp_path, capsys):
-    """--draft-staged none prompt-lookup: the draft model measured both ways in one run, outputs identical;
-    --record keeps the fastest row's staged choice, which DraftModel then uses by default; a row staged on
-    retrieval (its datastore is not the folder's to name) is never recorded."""
+    """--draft-staged none prompt-lookup retrieval=DIR: the draft model measured three ways in one run, outputs
+    identical; --record keeps the fastest row's staged choice (retrieval's with its datastore), which
+    DraftModel then uses by default."""
     import json
     import shutil
 
     from specdec.commands.bench import record_fastest
     from specdec.commands.cli import main
     from specdec.drafters import DraftModel
+    from specdec.drafters.retrieval import build_datastore
 
     folder = tmp_path / "draft"
     shutil.copytree(model_dirs["llama"], folder)  # the target itself: it agrees with every draft
+    store = build_datastore([[5, 17, 33, 5, 17, 33, 40], [60, 61, 62, 63]], tmp_path / "store", vocab_size=90)
     out, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [5, 17, 33, 5, 17, 33, 5]}\n{"prompt_ids": [60, 61, 62]}\n')
     assert main(["bench", "--target", str(model_dirs["llama"]), "--draft", str(folder), "--prompts",
                  str(prompts), "--max-new-tokens", "12", "-k", "4", "--draft-staged", "none",
-                 "prompt-lookup", "--staged-guesses", "2", "--no-transformers", "--output", str(out)]) == 0
+                 "prompt-lookup", f"retrieval={store}", "--staged-guesses", "2", "--no-transformers",
+                 "--output", str(out)]) == 0
     rows = [r for r in json.loads(out.read_text())["rows"] if r["family"] == "draft-model"]
-    assert sorted(r.get("staged") or "none" for r in rows) == ["none", "prompt-lookup"]
-    assert [r["staged_guesses"] for r in rows if r.get("staged")] == [2]
+    assert sorted(r.get("staged") or "none" for r in rows) == ["none", "prompt-lookup", "retrieval"]
+    assert [r["staged_guesses"] for r in rows if r.get("staged")] == [2, 2]
+    assert [r.get("staged_datastore") for r in rows] == [None, None, str(store.resolve())]
     assert len({r["tau"] for r in rows}) == 1          # the same drafts either way
-    staged = next(r for r in rows if r.get("staged"))
+    staged = next(r for r in rows if r.get("staged") == "prompt-lookup")
+    retrieval = next(r for r in rows if r.get("staged") == "retrieval")
     others = [{**r, "speedup_vs_plain": 0.5} for r in rows if not r.get("staged")]
-    retrieval = {**staged, "staged": "retrieval", "speedup_vs_plain": 9.0}
-    record_fastest({"rows": [{**staged, "speedup_vs_plain": 2.0}, retrieval, *others]}, "draft-model", str(folder),
-                   "test")
+    record_fastest({"rows": [{**staged, "speedup_vs_plain": 2.0}, {**retrieval, "speedup_vs_plain": 1.5}, *others]},
+                   "draft-model", str(folder), "test")
     defaults = json.loads((folder / "config.json").read_text())["specdec"]["defaults"]
     assert (defaults["staged"], defaults["staged_guesses"], defaults["speedup_vs_plain"]) == ("prompt-lookup", 2, 2.0)
+    assert "staged_datastore" not in defaults
+    assert DraftModel(folder).staged.name == "prompt-lookup"
+    record_fastest({"rows": [{**staged, "speedup_vs_plain": 2.0}, {**retrieval, "speedup_vs_plain": 3.0}, *others]},
+                   "draft-model", str(folder), "test")
+    defaults = json.loads((folder / "config.json").read_text())["specdec"]["defaults"]
+    assert (defaults["staged"], defaults["staged_datastore"]) == ("retrieval", str(store.resolve()))
     drafter = DraftModel(folder)
-    assert drafter.staged.name == "prompt-lookup" and drafter.staged_guesses == 2
+    assert drafter.staged.name == "retrieval" and drafter.staged_guesses == 2
+    assert drafter.staged.store.folder.resolve() == store.resolve()

@@ -167,10 +167,19 @@ def test_staged_settings_come_from_the_folder_record_and_bad_ones_are_one_line(m
     assert DraftModel(folder, staged_guesses=5).staged_guesses == 5
     assert DraftModel(folder, staged="none").staged is None
     for bad, words in (({"staged": "medusa"}, "prompt-lookup"), ({"staged": 3}, "got int"),
-                       ({"staged": "prompt-lookup", "staged_guesses": 0}, ">= 1")):
+                       ({"staged": "prompt-lookup", "staged_guesses": 0}, ">= 1"),
+                       ({"staged": "retrieval"}, "record a datastore")):
         with pytest.raises(InvalidArgumentError, match=words) as error:
             DraftModel(folder, **bad)
         assert "\n" not in str(error.value)
+    # retrieval recorded with its datastore (bench --record's staged_datastore): by name, or from the record
+    from specdec.drafters.retrieval import Retrieval, build_datastore
+    store = build_datastore([[5, 17, 33, 2, 9, 41], [60, 61, 62]], tmp_path / "store", vocab_size=90)
+    config["specdec"]["defaults"].update(staged="retrieval", staged_datastore=str(store))
+    (folder / "config.json").write_text(json.dumps(config))
+    for drafter in (DraftModel(folder), DraftModel(folder, staged="retrieval")):
+        assert isinstance(drafter.staged, Retrieval) and drafter.staged.store.folder == store
+        assert drafter.setting == "staged retrieval G=3"
     base = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "a", "--max-new-tokens", "2"]
     for extra, words in ((["--drafter", "prompt-lookup", "--draft-staged", "prompt-lookup"], "speed up a draft model"),
                          (["--drafter", "draft-model", "--draft", str(folder), "--draft-staged", "retrieval"],

@@ -351,3 +351,17 @@ def test_smollm2_builds_from_the_registry(tmp_path, monkeypatch):
     assert target.chat_template and target.path == str(folder)
     answer = generate(target, [[{"role": "user", "content": "What is the capital of France?"}]], max_new_tokens=16)
     assert "Paris" in answer.texts[0]
+
+
+def test_records_name_a_real_models_datastore_by_its_zoo_name(tmp_path, monkeypatch):
+    """bench --record names the real target's retrieval datastore by its zoo name (each machine builds it in its
+    own cache) and any other by its path; the shipped Q4_1 file's record names one the zoo resolves."""
+    from specdec.zoo.datastores import datastore_name
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    own = tmp_path / "cache" / "datastores" / "smollm2-135m"
+    own.mkdir(parents=True)
+    assert datastore_name(own) == "smollm2-135m/retrieval"
+    assert datastore_name(tmp_path) == str(tmp_path.resolve())
+    base, _, method = zoo.Q4_1_DRAFTING["staged_datastore"].partition("/")
+    assert base in zoo.REAL_MODELS and method == "retrieval" and zoo.Q4_1_DRAFTING["staged"] == "retrieval"

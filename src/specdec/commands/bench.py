@@ -630,8 +630,7 @@ def _table(methods: list[Method], mismatches: list, num_prompts: int, max_new_to
             "new_tokens": m.new_tokens, "seconds": m.seconds,
             "tree": None if m.tree is None else [m.tree.depth, m.tree.topk, m.tree.num_nodes],
             "p_min": getattr(m.drafter, "p_min", None),
-            **({"staged": m.drafter.staged_name, "staged_guesses": m.drafter.staged_guesses}
-               if getattr(m.drafter, "staged_name", None) else {}),
+            **staged_fields(m.drafter),
             "mean_nodes": m.k_sum / m.tau_steps if m.tau_steps else None,
             "speedup_vs_plain": m.tokens_per_second / plain.tokens_per_second if plain and plain.seconds else None,
             "ratio_vs_transformers": (m.tokens_per_second / peer.tokens_per_second
@@ -900,16 +899,26 @@ def p_min_values(given: list[float] | None, names: list[str]) -> list[float | No
     return list(dict.fromkeys(given))
 
 
+def staged_fields(drafter) -> dict:
+    """A staged draft model's row fields: the guesser's name, its guesses a pass and, for retrieval, the
+    datastore it reads (as --record names it)."""
+    if not getattr(drafter, "staged_name", None):
+        return {}
+    fields = {"staged": drafter.staged_name, "staged_guesses": drafter.staged_guesses}
+    if drafter.staged_name == "retrieval":
+        from specdec.zoo.datastores import datastore_name
+        fields["staged_datastore"] = datastore_name(drafter.staged.path)
+    return fields
+
+
 def record_fastest(result: dict, name: str, folder: str, measured_on: str, several: bool = False) -> dict | None:
     """Store the fastest batch-1 setting of drafter ``name`` in ``folder``/config.json (specdec.defaults).
     ``several``: other folders of the method were measured too; only this folder's rows (their labels name
     it, ``drafter_note``) count."""
     from specdec.models.kernels import cpu_summary
 
-    # A draft model staged on retrieval needs its datastore, which a folder's record cannot name: not recorded.
     rows = [r for r in result["rows"] if r["impl"] == "specdec" and r["family"] == name and r["batch_size"] == 1
-            and r["speedup_vs_plain"] and (not several or f"({Path(folder).name}" in r["method"])
-            and r.get("staged") in (None, "prompt-lookup")]
+            and r["speedup_vs_plain"] and (not several or f"({Path(folder).name}" in r["method"])]
     best = max(rows, key=lambda r: r["speedup_vs_plain"], default=None)
     if best is None:
         return None
@@ -918,7 +927,7 @@ def record_fastest(result: dict, name: str, folder: str, measured_on: str, sever
 
     choice = {"num_draft_tokens": best["k"], "tree": best["tree"], "tau": round(best["tau"], 3),
               **({"p_min": best["p_min"]} if best.get("p_min") else {}),
-              **({"staged": best["staged"], "staged_guesses": best["staged_guesses"]} if best.get("staged") else {}),
+              **{key: best[key] for key in ("staged", "staged_guesses", "staged_datastore") if best.get(key)},
               "speedup_vs_plain": round(best["speedup_vs_plain"], 3), "measured_on": measured_on,
               "cpu": cpu_summary()}
     path = record_setting(resolve_model(folder), choice)  # a real model's name or a GGUF file: its folder

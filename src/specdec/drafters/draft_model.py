@@ -141,28 +141,41 @@ class DraftModel:
 
 def staged_setting(staged, guesses: int | None, folder: str | None):
     """(the staged drafter or None, guesses a pass) from DraftModel's ``staged`` and ``staged_guesses``:
-    a drafter, "prompt-lookup", "none", or None for what ``folder`` records (its config.json's
-    ``specdec.defaults``: ``staged`` and ``staged_guesses``, written by ``bench --record``); one line for
-    anything else."""
+    a drafter, "prompt-lookup", "retrieval" (over the datastore the folder records), "none", or None for
+    what ``folder`` records (its config.json's ``specdec.defaults``: ``staged``, ``staged_guesses`` and,
+    for retrieval, ``staged_datastore``, written by ``bench --record``); one line for anything else."""
     from specdec.drafters.prompt_lookup import PromptLookup
 
-    recorded = recorded_setting(folder) if folder and staged is None else {}
+    recorded = recorded_setting(folder) if folder else {}
     if staged is None:
         staged = recorded.get("staged") or "none"
         guesses = guesses if guesses is not None else recorded.get("staged_guesses")
     guesses = STAGED_GUESSES if guesses is None else guesses
     if not isinstance(guesses, int) or isinstance(guesses, bool) or guesses < 1:
         raise InvalidArgumentError(f"staged guesses must be a whole number >= 1, got {guesses!r}")
+    if staged == "retrieval":
+        return staged_retrieval(recorded.get("staged_datastore")), guesses
     if isinstance(staged, str):
         named = {"none": None, "prompt-lookup": PromptLookup()}
         if staged not in named:
-            raise InvalidArgumentError(f"a staged draft model guesses with {' or '.join(named)} by name (retrieval: "
-                                       f"pass a Retrieval with its datastore), got {staged!r}")
+            raise InvalidArgumentError(f"a staged draft model guesses with {', '.join(named)} or retrieval by name, "
+                                       f"got {staged!r}")
         staged = named[staged]
     elif not (hasattr(staged, "start") and hasattr(staged, "name")):
         raise InvalidArgumentError(f"staged takes a drafter without a model (PromptLookup, Retrieval) or its name, "
                                    f"got {type(staged).__name__}")
     return staged, guesses
+
+
+def staged_retrieval(datastore):
+    """Retrieval over ``datastore`` (a folder, or a real model's by name: ``smollm2-135m/retrieval``, built on
+    first use) for a draft model staged on retrieval by name; one line where no datastore is recorded."""
+    from specdec.drafters.retrieval import Retrieval
+
+    if not datastore:
+        raise InvalidArgumentError("a draft model staged on retrieval by name needs its folder to record a datastore "
+                                   "(bench --record writes staged_datastore): pass a Retrieval with its datastore")
+    return Retrieval(datastore)
 
 
 def copies(draft, target, rows: int = 256) -> bool:

@@ -237,3 +237,17 @@ def real_datastore_dir(name: str) -> Path:
     build(load_tokenizer(target_dir), sources, folder, defaults=REAL_DEFAULTS, target_dir=target_dir,
           left_out=left_out)
     return folder
+
+
+def datastore_name(folder) -> str:
+    """How a record names the datastore ``folder``: a real model's by its zoo name (``smollm2-135m/retrieval``,
+    which every machine builds in its own cache), any other by its absolute path."""
+    from specdec.zoo import REAL_MODELS
+    from specdec.zoo.fetch import cache_root
+
+    path = Path(folder).resolve()
+    for name, model in REAL_MODELS.items():
+        if path == (cache_root() / "datastores" / (model.drafters or name)).resolve():
+            return f"{model.drafters or name}/retrieval"
+    return str(path)
+
