@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from specdec.drafters.base import TreeConfig
-from specdec.errors import SpecdecError
+from specdec.errors import InvalidArgumentError, SpecdecError
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n",
@@ -107,6 +107,8 @@ def run_demo(args) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if args.repeats < 1:
+        raise InvalidArgumentError(f"repeats must be >= 1, got {args.repeats}")
     threads = args.threads or (1 if args.zoo else 2)
     torch.set_num_threads(threads)
     dtype = demo_dtype(args.dtype, args.zoo)
@@ -126,11 +128,13 @@ def run_demo(args) -> int:
         prompts = target.encode(texts)
         if args.zoo:
             result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
-                               progress=False, drafters=drafters, trees=(DEMO_TREE,) if drafters else (),
+                               repeats=args.repeats, progress=False, drafters=drafters,
+                               trees=(DEMO_TREE,) if drafters else (),
                                block_sizes=DEMO_BLOCKS, more_engines=variants)
         else:  # each drafter once, at the setting its folder records as fastest; transformers' plain decoding
             result = run_bench(target, prompts, draft=draft, ks=[4], max_new_tokens=args.max_new_tokens,
-                               progress=False, drafters=drafters, more_engines=variants, recorded=True,
+                               repeats=args.repeats, progress=False, drafters=drafters, more_engines=variants,
+                               recorded=True,
                                reference_families=())
     best = fastest(result)
     verdict = "greedy outputs identical to plain decoding" if result["outputs_identical"] else "OUTPUTS DIFFER"
@@ -148,6 +152,9 @@ def run_demo(args) -> int:
 def add_demo_command(commands) -> None:
     demo = commands.add_parser("demo", help="run every method on a few held-out prompts and compare them")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--repeats", type=int, default=2,
+                      help="run every prompt R times, speeds from each prompt's fastest run (default 2: a slow "
+                           "spell of the host moves a ratio only if it lands on every run of a method's turn)")
     demo.add_argument("--zoo", action="store_true", help="the zoo's 4.3M target and its drafters instead of the "
                                                          "real SmolLM2-135M-Instruct")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; 1 with --zoo: the zoo's "
