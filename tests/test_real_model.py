@@ -298,9 +298,9 @@ def test_real_model_is_fetched_built_once_and_loaded_by_name(model_dirs, exporte
 
 
 def test_a_copy_that_drafts_for_its_float_model_records_its_setting_once(exported, wheelhouse, monkeypatch):
-    """A real model with draft_defaults (the shipped Q4_1 file: staged on prompt lookup) writes them into its
-    folder as bench --record would, in a folder built before as well, and never over the folder's own record;
-    DraftModel then drafts with them."""
+    """A real model with draft_defaults (the shipped Q4_1 file's setting) writes them into its folder as bench
+    --record would, marked as shipped, in a folder built before as well; a later release's setting replaces an
+    earlier one's (marked, or one of SHIPPED_BEFORE), never the folder's own record; DraftModel drafts with them."""
     from specdec.drafters import DraftModel
 
     add, cache = wheelhouse
@@ -312,9 +312,18 @@ def test_a_copy_that_drafts_for_its_float_model_records_its_setting_once(exporte
     assert "specdec" not in json.loads(config_file.read_text())
     monkeypatch.setitem(zoo.REAL_MODELS, "tiny-copy", dataclasses.replace(spec, quantized=True, draft_defaults=setting))
     folder = zoo_path("tiny-copy")
-    assert json.loads(config_file.read_text())["specdec"]["defaults"] == setting
+    assert json.loads(config_file.read_text())["specdec"]["defaults"] == {**setting, "shipped": True}
     drafter = DraftModel("tiny-copy")
     assert (drafter.default_draft_tokens, drafter.staged.name, drafter.staged_guesses) == (6, "prompt-lookup", 3)
+    later = {**setting, "num_draft_tokens": 8}
+    monkeypatch.setitem(zoo.REAL_MODELS, "tiny-copy", dataclasses.replace(spec, quantized=True, draft_defaults=later))
+    zoo_path("tiny-copy")                                  # a later release: its setting replaces the earlier one's
+    assert json.loads(config_file.read_text())["specdec"]["defaults"] == {**later, "shipped": True}
+    unmarked = {**json.loads(config_file.read_text()), "specdec": {"defaults": setting}}
+    config_file.write_text(json.dumps(unmarked))           # written before records were marked
+    monkeypatch.setitem(zoo.SHIPPED_BEFORE, "tiny-copy", (setting,))
+    zoo_path("tiny-copy")
+    assert json.loads(config_file.read_text())["specdec"]["defaults"] == {**later, "shipped": True}
     own = {**json.loads(config_file.read_text()), "specdec": {"defaults": {"num_draft_tokens": 2, "tree": None}}}
     config_file.write_text(json.dumps(own))                # a later bench --record on this machine
     assert zoo_path("tiny-copy") == folder and json.loads(config_file.read_text()) == own

