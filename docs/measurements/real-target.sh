@@ -903,3 +903,32 @@ specdec demo > $OUT/demo-zen4-s36.txt 2>&1
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
   --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s36.json
+
+# ---- Thirty-seventh session (Zen 4, AMD EPYC family 25 model 17) ----
+# The Q4_1 file staged on prompt lookup against retrieval, twice (the second records the fastest in the file's folder)
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 8 10 --draft-staged prompt-lookup retrieval --no-transformers --threads 2 \
+  --json --output $OUT/staged-retrieval-zen4-s37.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 8 10 12 --draft-staged prompt-lookup retrieval --no-transformers --threads 2 --record \
+  --output $OUT/staged-retrieval-k-zen4-s37.json
+# Guesses a pass, staged on retrieval at k = 10
+for g in 3 4 5; do
+  specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 10 --max-new-tokens 128 \
+    --draft smollm2-135m-q4_1 -k 10 --draft-staged retrieval --staged-guesses $g --no-transformers --threads 2 \
+    --output $OUT/staged-retrieval-g$g-zen4-s37.json
+done
+# Over the demo's length
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 2 --max-new-tokens 64 \
+  --draft smollm2-135m-q4_1 -k 8 10 --draft-staged prompt-lookup retrieval --no-transformers --threads 2 --repeats 3 \
+  --output $OUT/staged-retrieval-64-zen4-s37.json
+# For a float32 target
+specdec bench --target smollm2-135m --dtype float32 --tasks sharegpt humaneval --num-prompts 6 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 8 10 --draft-staged prompt-lookup retrieval --no-transformers --threads 2 \
+  --output $OUT/staged-retrieval-f32-zen4-s37.json
+# A Q4_1 head rescored at its top 4 / 16 (not kept)
+python docs/measurements/draft_head_rescore.py bfloat16 3 8 4,16 > $OUT/draft-head-rescore-zen4-s37.txt
+# The demo: two runs of one pass a prompt (before --repeats), then with each prompt run twice
+specdec demo --repeats 1 > $OUT/demo-zen4-s37a.txt 2>&1
+specdec demo --repeats 1 > $OUT/demo-zen4-s37b.txt 2>&1
+specdec demo > $OUT/demo-zen4-s37.txt 2>&1
