@@ -6,7 +6,7 @@ import pytest
 
 import specdec
 from specdec.drafters import DraftModel
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.backends.target import load_target
 
 
@@ -180,6 +180,16 @@ def test_staged_settings_come_from_the_folder_record_and_bad_ones_are_one_line(m
     for drafter in (DraftModel(folder), DraftModel(folder, staged="retrieval")):
         assert isinstance(drafter.staged, Retrieval) and drafter.staged.store.folder == store
         assert drafter.setting == "staged retrieval G=3"
+    # a recorded datastore that cannot be had: the record's guesser gives way to prompt lookup (the same drafts),
+    # with one line on stderr; asked for by name, it is an error
+    config["specdec"]["defaults"]["staged_datastore"] = str(tmp_path / "gone")
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert isinstance(DraftModel(folder).staged, PromptLookup)
+    warning = capsys.readouterr().err.strip()
+    assert "retrieval, is unavailable" in warning and "\n" not in warning
+    with pytest.raises(SpecdecError):
+        DraftModel(folder, staged="retrieval")
     base = ["generate", "--target", str(model_dirs["llama"]), "--prompt", "a", "--max-new-tokens", "2"]
     for extra, words in ((["--drafter", "prompt-lookup", "--draft-staged", "prompt-lookup"], "speed up a draft model"),
                          (["--drafter", "draft-model", "--draft", str(folder), "--draft-staged", "retrieval"],

@@ -932,3 +932,7 @@ python docs/measurements/draft_head_rescore.py bfloat16 3 8 4,16 > $OUT/draft-he
 specdec demo --repeats 1 > $OUT/demo-zen4-s37a.txt 2>&1
 specdec demo --repeats 1 > $OUT/demo-zen4-s37b.txt 2>&1
 specdec demo > $OUT/demo-zen4-s37.txt 2>&1
+# Retrieval's fields for the staged copy, and a free tail (neither kept)
+python docs/measurements/staged_variants.py 6 64 "R3,R3 min_score=0.3,R3 min_score=0.02,R3 samples=16,R3 samples=256,R3 context_paths=2,R3 max_ngram=8" \
+  > $OUT/staged-retrieval-variants-zen4-s37.txt
+python docs/measurements/staged_tail_ab.py 6 64 6,8 > $OUT/staged-tail-ab-zen4-s37.txt

@@ -5,7 +5,8 @@ plain decoding beside them, interleaved prompt by prompt (three rounds, the last
 
 PROMPTS held-out prompts of each of sharegpt and humaneval, TOKENS new tokens, k = 8, 2 threads. VARIANTS,
 comma-separated: G<n> (prompt lookup, n guesses a pass), G<n> n>=2 (prompt lookup of 2-grams and longer),
-R<n> (retrieval over the target's datastore), G<n> p<x> (the draft model's chain cut at top probability x);
+R<n> (retrieval over the target's datastore; R<n> FIELD=VALUE ...: with those of Retrieval's fields, e.g.
+R3 min_score=0.3 samples=16), G<n> p<x> (the draft model's chain cut at top probability x);
 "old G3" / "old R3": the draft model, prompt lookup and retrieval modules of commit OLD (default HEAD~1),
 read with git show. Prints tokens/s (prefill included, as bench counts), the ratio to plain decoding, the
 drafting seconds, the draft model's passes and the verification steps; every output is checked against
@@ -53,7 +54,9 @@ def drafter(variant: str, copy: str, old: str):
         model, lookup, retrieval = DraftModel, PromptLookup, Retrieval
     kind, guesses = words[0][0], int(words[0][1:])
     p_min = float(words[-1][1:]) if len(words) > 1 and words[-1].startswith("p") else None
-    guesser = (retrieval(zoo_path("smollm2-135m/retrieval")) if kind == "R"
+    fields = {key: float(value) if "." in value else int(value)
+              for key, _, value in (word.partition("=") for word in words[1:] if "=" in word and ">" not in word)}
+    guesser = (retrieval(zoo_path("smollm2-135m/retrieval"), **fields) if kind == "R"
                else lookup(min_ngram=2) if "n>=2" in words else lookup())
     return model(copy, staged=guesser, staged_guesses=guesses, p_min=p_min)
 

@@ -8,12 +8,13 @@ correction or bonus token, and the last draft when the whole chain was accepted)
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 from specdec.backends import hf
 from specdec.batch import Sequences
-from specdec.errors import ContextLengthError, InvalidArgumentError, VocabularyMismatchError
+from specdec.errors import ContextLengthError, InvalidArgumentError, SpecdecError, VocabularyMismatchError
 from specdec.backends.native import NativeBackend
 from specdec.models import kernels, llama
 from specdec.sampling import probabilities, sample
@@ -147,14 +148,23 @@ def staged_setting(staged, guesses: int | None, folder: str | None):
     from specdec.drafters.prompt_lookup import PromptLookup
 
     recorded = recorded_setting(folder) if folder else {}
-    if staged is None:
+    from_record = staged is None
+    if from_record:
         staged = recorded.get("staged") or "none"
         guesses = guesses if guesses is not None else recorded.get("staged_guesses")
     guesses = STAGED_GUESSES if guesses is None else guesses
     if not isinstance(guesses, int) or isinstance(guesses, bool) or guesses < 1:
         raise InvalidArgumentError(f"staged guesses must be a whole number >= 1, got {guesses!r}")
     if staged == "retrieval":
-        return staged_retrieval(recorded.get("staged_datastore")), guesses
+        try:
+            return staged_retrieval(recorded.get("staged_datastore")), guesses
+        except SpecdecError as error:
+            if not from_record:
+                raise
+            # the guesser only saves passes (the drafts are the same): a record's that cannot be had gives way
+            print(f"[specdec] the recorded staged guesser, retrieval, is unavailable ({error}); guessing with "
+                  f"prompt lookup instead (the same drafts)", file=sys.stderr, flush=True)
+            staged = PromptLookup()
     if isinstance(staged, str):
         named = {"none": None, "prompt-lookup": PromptLookup()}
         if staged not in named:
