@@ -302,6 +302,20 @@ def test_hidden_layers_use_transformers_indexing(name, models):
         assert (hidden[:, :, slot] - reference_hidden[index]).abs().max() < ATOL, index
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_taps_copied_inside_the_layers_call_are_each_layers_output_bit_for_bit(native_dirs, dtype):
+    """Hidden states requested between layers are copied out inside the one kernel call that runs the layers:
+    each is, bit for bit, the state of a block run up to that layer and stopped there."""
+    model = NativeBackend.load(native_dirs["llama"], dtype=dtype)
+    sequence = list(range(60, 70))
+    taps = tuple(range(1, model.num_layers))
+    assert taps, "the test model needs at least two layers"
+    _, hidden = run(model.new_cache(1, 16), [sequence], hidden_layers=taps)
+    for slot, index in enumerate(taps):
+        block = model.new_cache(1, 16).begin(torch.tensor([sequence]), stop=index)
+        assert torch.equal(hidden[0, :, slot], block.states[0]), index
+
+
 def test_logits_for_chosen_positions(models):
     backend, hf_model = models["mistral"]
     rows = [list(range(80, 88)), list(range(90, 98))]

@@ -931,6 +931,9 @@ python docs/measurements/draft_head_rescore.py bfloat16 3 8 4,16 > $OUT/draft-he
 # The demo: two runs of one pass a prompt (before --repeats), then with each prompt run twice
 specdec demo --repeats 1 > $OUT/demo-zen4-s37a.txt 2>&1
 specdec demo --repeats 1 > $OUT/demo-zen4-s37b.txt 2>&1
+specdec demo > $OUT/demo-zen4-s37c.txt 2>&1
+# Taps inside the layers' one call (three runs), then the demo again
+python docs/measurements/taps_one_call.py >> $OUT/taps-one-call-zen4-s37.txt
 specdec demo > $OUT/demo-zen4-s37.txt 2>&1
 # Retrieval's fields for the staged copy, and a free tail (neither kept)
 python docs/measurements/staged_variants.py 6 64 "R3,R3 min_score=0.3,R3 min_score=0.02,R3 samples=16,R3 samples=256,R3 context_paths=2,R3 max_ngram=8" \

@@ -156,12 +156,14 @@ class NativeCache(RaggedCache):
         model = self.model
         stop = min(stop, len(model.layers))
         while block.layer < stop:
-            if type(self)._layer is NativeCache._layer:  # the model's own layers: the run up to the next tap
-                # in one kernel call (a drafter's cache whose ``_layer`` feeds each layer inputs of its own runs
-                # them one by one)
-                end = min([tap for tap in block.hidden_layers if block.layer < tap < stop] + [stop])
+            if type(self)._layer is NativeCache._layer:  # the model's own layers: the run to ``stop`` in one
+                # kernel call, which copies the taps out on the way (a drafter's cache whose ``_layer`` feeds each
+                # layer inputs of its own runs them one by one)
+                end = stop
+                inside = {tap: torch.empty_like(block.hidden) for tap in block.hidden_layers if block.layer < tap < end}
                 block.hidden = llama.decoder_layers(model, block.layer, end, block.hidden, block.params, self.kv,
-                                                    block.masks)
+                                                    block.masks, inside)
+                block.taps.update({tap: copy.view(*block.shape, -1) for tap, copy in inside.items()})
             else:
                 end = block.layer + 1
                 block.hidden = self._layer(block.layer, block)

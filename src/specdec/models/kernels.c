@@ -2333,8 +2333,11 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
  * x_out, the layers in between writing x_out and spare in turn so that the last one writes x_out. One
  * call for a model's layers: from Python each layer's call, its buffer and its pointers cost about 8 us
  * (a tenth of a Q4_1 SmolLM2-135M pass, Zen 4). */
+/* Layers one after another in one call; taps (or NULL): taps[i], where not NULL, receives a copy of layer i's
+ * output (tap_bytes), the hidden states a feature drafter reads, with no return to the caller between layers. */
 int sd_decoder_layers(const struct sd_layer* const* w, long count, struct sd_block* b, char* keys, long layer_bytes,
-                      long half_bytes, const uint8_t* const* visible, const void* x_in, void* x_out, void* spare) {
+                      long half_bytes, const uint8_t* const* visible, const void* x_in, void* x_out, void* spare,
+                      void* const* taps, long tap_bytes) {
     const void* x = x_in;
     for (long i = 0; i < count; i++) {
         void* y = (count - 1 - i) % 2 ? spare : x_out;
@@ -2343,6 +2346,7 @@ int sd_decoder_layers(const struct sd_layer* const* w, long count, struct sd_blo
         b->visible = visible[i];
         int status = sd_decoder_layer(w[i], b, x, y);
         if (status) return status;
+        if (taps && taps[i]) memcpy(taps[i], y, (size_t)tap_bytes);
         x = y;
     }
     return 0;

@@ -169,7 +169,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         "sd_silu_mul": [p, i, i, i, p, i, n],
         "sd_attention": [p, i, p, p, i, i, i, i, i, i, i, i, p, f, p, i, n],
         "sd_decoder_layer": [p, p, p, p],
-        "sd_decoder_layers": [p, i, p, p, i, i, p, p, p, p],
+        "sd_decoder_layers": [p, i, p, p, i, i, p, p, p, p, p, i],
         "sd_decoder_layer_from": [p, p, p, i, f, p, p],
         "sd_layer_keys_values": [p, p, p, i, f],
         "sd_set_threads": [n],

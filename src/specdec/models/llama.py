@@ -212,9 +212,11 @@ def decoder_layer(model: Llama, index: int, x: torch.Tensor, block: BlockParams,
 
 
 def decoder_layers(model: Llama, start: int, end: int, x: torch.Tensor, block: BlockParams, kv: torch.Tensor,
-                   masks: dict) -> torch.Tensor:
+                   masks: dict, taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Layers [start, end) on a block in one kernel call: what ``decoder_layer`` gives layer after layer, bit
-    for bit. masks: window -> visible [B, n, past + n] bool, or None where every token sees every column."""
+    for bit. masks: window -> visible [B, n, past + n] bool, or None where every token sees every column.
+    taps: hidden-state index i (the output of layer i - 1, start < i < end) -> a tensor like x that receives
+    it, copied inside the call."""
     if end - start == 1:
         return decoder_layer(model, start, x, block, kv, masks[model.layers[start].window])
     out, spare = torch.empty_like(x), torch.empty_like(x)
@@ -222,10 +224,15 @@ def decoder_layers(model: Llama, start: int, end: int, x: torch.Tensor, block: B
     params = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.params) for layer in layers])
     visible = (ctypes.c_void_p * len(layers))(*[None if (mask := masks[layer.window]) is None else mask.data_ptr()
                                                 for layer in layers])
+    copies = None
+    if taps:
+        copies = (ctypes.c_void_p * len(layers))(*[None if (t := taps.get(start + 1 + i)) is None else t.data_ptr()
+                                                   for i in range(len(layers))])
     size = kv.element_size()
     kernels._check(kernels.library().sd_decoder_layers(
         params, len(layers), block.ref, kv.data_ptr() + start * kv.stride(0) * size, kv.stride(0) * size,
-        kv.stride(1) * size, visible, x.data_ptr(), out.data_ptr(), spare.data_ptr()))
+        kv.stride(1) * size, visible, x.data_ptr(), out.data_ptr(), spare.data_ptr(), copies,
+        x.numel() * x.element_size()))
     return out
 
 
