@@ -939,3 +939,8 @@ specdec demo > $OUT/demo-zen4-s37.txt 2>&1
 python docs/measurements/staged_variants.py 6 64 "R3,R3 min_score=0.3,R3 min_score=0.02,R3 samples=16,R3 samples=256,R3 context_paths=2,R3 max_ngram=8" \
   > $OUT/staged-retrieval-variants-zen4-s37.txt
 python docs/measurements/staged_tail_ab.py 6 64 6,8 > $OUT/staged-tail-ab-zen4-s37.txt
+# Served again, then the demo once more
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s37.json
+specdec demo > $OUT/demo-zen4-s37d.txt 2>&1
