@@ -39,7 +39,8 @@ class RealModel:
     drafters: str = ""        # whose trained drafters it uses (the same weights); "" = its own name
     draft_defaults: dict | None = None  # drafting for its float model: the setting measured fastest, recorded
                                         # in its folder as ``bench --record`` records a drafter's (DraftModel
-                                        # reads it) unless the folder records one already
+                                        # reads it), marked shipped, unless the folder records one of its own
+                                        # (a bench's); an earlier release's gives way
 
 
 # The shipped Q4_1 file drafting for its bfloat16 model: the fastest setting measured, staged on the real
