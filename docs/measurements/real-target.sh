@@ -944,3 +944,6 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s37.json
 specdec demo > $OUT/demo-zen4-s37d.txt 2>&1
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
+  --concurrency 1 4 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-rounds-1-4-zen4-s37.json
