@@ -823,6 +823,12 @@ def load_bench_prompts(args) -> tuple[list, list[str] | None]:
     return [p for p, _ in chosen], [name for _, name in chosen]
 
 
+def check_repeats(repeats: int) -> None:
+    """--repeats of bench and demo: one line below 1."""
+    if repeats < 1:
+        raise InvalidArgumentError(f"repeats must be >= 1, got {repeats}")
+
+
 def run_bench_command(args) -> int:
     from specdec.commands.clitools import check_draft_quantize, check_staged, make_drafter
     from specdec.models.files import check_output_path, write_atomic
@@ -832,8 +838,7 @@ def run_bench_command(args) -> int:
 
     if args.max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.repeats < 1:
-        raise InvalidArgumentError(f"repeats must be >= 1, got {args.repeats}")
+    check_repeats(args.repeats)
     trees = [parse_tree(text) for text in args.trees]
     if args.num_prompts is not None and args.num_prompts < 1:
         raise InvalidArgumentError(f"--num-prompts must be >= 1, got {args.num_prompts}")

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from specdec.drafters.base import TreeConfig
-from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.errors import SpecdecError
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n",
@@ -99,7 +99,7 @@ def run_demo(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.backends.target import load_target, parse_dtype
-    from specdec.commands.bench import format_table, run_bench, variant_engine
+    from specdec.commands.bench import check_repeats, format_table, run_bench, variant_engine
     from specdec.drafters import DraftModel
     from specdec.drafters.mtp import is_modules_folder
     from specdec.drafters.registry import build
@@ -107,8 +107,7 @@ def run_demo(args) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if args.repeats < 1:
-        raise InvalidArgumentError(f"repeats must be >= 1, got {args.repeats}")
+    check_repeats(args.repeats)
     threads = args.threads or (1 if args.zoo else 2)
     torch.set_num_threads(threads)
     dtype = demo_dtype(args.dtype, args.zoo)

@@ -139,17 +139,21 @@ class Datastore:
         position = int(self.order[index])
         return self.tokens[position: position + n].tolist()
 
+    def _bisect(self, side, query: list[int], lo: int = 0) -> int:
+        """``side`` (bisect_left or bisect_right) of ``query`` among the entries of ``order``, each keyed by its
+        next len(query) tokens."""
+        return side(range(self.order.shape[0]), query, lo=lo, key=lambda index: self._window(index, len(query)))
+
     def _first(self, query: list[int]) -> int:
         """The first entry of ``order`` whose next len(query) tokens are not below ``query``."""
-        return bisect.bisect_left(range(self.order.shape[0]), query, key=lambda index: self._window(index, len(query)))
+        return self._bisect(bisect.bisect_left, query)
 
     def find(self, query: Sequence[int]) -> tuple[int, int]:
         """[lo, hi): the entries of ``order`` whose next len(query) tokens equal ``query`` (at most
         key_length tokens)."""
         query = list(query)
         start = self._first(query)
-        return start, bisect.bisect_right(range(self.order.shape[0]), query, lo=start,
-                                          key=lambda index: self._window(index, len(query)))
+        return start, self._bisect(bisect.bisect_right, query, start)
 
     def occurs(self, query: Sequence[int]) -> bool:
         """Whether ``query`` (at most key_length tokens) starts some entry: one bisection where ``find`` takes two."""

@@ -2332,9 +2332,8 @@ int sd_decoder_layer(const struct sd_layer* w, const struct sd_block* b, const v
  * keys + i * layer_bytes (its values half_bytes further), its mask visible[i] (NULL: every column). x_in ->
  * x_out, the layers in between writing x_out and spare in turn so that the last one writes x_out. One
  * call for a model's layers: from Python each layer's call, its buffer and its pointers cost about 8 us
- * (a tenth of a Q4_1 SmolLM2-135M pass, Zen 4). */
-/* Layers one after another in one call; taps (or NULL): taps[i], where not NULL, receives a copy of layer i's
- * output (tap_bytes), the hidden states a feature drafter reads, with no return to the caller between layers. */
+ * (a tenth of a Q4_1 SmolLM2-135M pass, Zen 4). taps (or NULL): taps[i], where not NULL, receives a copy of
+ * layer i's output (tap_bytes), the hidden states a feature drafter reads, so tapped layers stay in the call. */
 int sd_decoder_layers(const struct sd_layer* const* w, long count, struct sd_block* b, char* keys, long layer_bytes,
                       long half_bytes, const uint8_t* const* visible, const void* x_in, void* x_out, void* spare,
                       void* const* taps, long tap_bytes) {
