@@ -158,6 +158,34 @@ def test_kernel_runtime_computes_the_training_pass(dtype, model_dirs):
     assert (logits - reference[:, 1] @ head.t()).abs().max() < 10 * tolerance * max(1.0, float(logits.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ragged_context_entered_apart_is_each_rows_own_and_zero_in_its_holes(dtype, model_dirs):
+    """A backlog of rows that joined at different times, entered on its own: only its valid entries are
+    computed (one packed block), yet each row's keys and values are the bits that row gets entered alone,
+    and its holes hold zeros (finite, which attention needs)."""
+    target = specdec.load_target(model_dirs["qwen3"], backend="native")
+    torch.manual_seed(5)
+    net = dflash.DFlashNet(dflash.DFlashConfig.for_target(target, 2, 4, 1, num_target_features=2)).eval()
+    runtime = dflash.DFlashRuntime(net, target.input_embeddings().float(), target.output_head().float(), dtype)
+    m = 24  # >= ContextCache.APART
+    features = torch.randn(3, m, net.config.feature_size)
+    valid = torch.zeros(3, m, dtype=torch.bool)
+    valid[0, 20:] = True  # a row that waited 4 steps
+    valid[1, :] = True    # a long prompt
+    valid[2, 3:9] = valid[2, 15:] = True  # a prompt that joined, then steps
+    ragged = runtime.new_cache(3, 4)  # grows on the way
+    ragged.enter_context(features, valid)
+    assert ragged.columns == m and ragged.lengths.tolist() == valid.sum(1).tolist()
+    for row in range(3):
+        alone = runtime.new_cache(1, m)
+        alone.enter_context(features[row:row + 1, valid[row]], valid[row:row + 1, valid[row]])
+        mine = ragged.kv[:, :, row, :, :m][:, :, :, valid[row]]
+        assert mine.abs().sum() > 0 and torch.equal(mine, alone.kv[:, :, 0, :, :int(valid[row].sum())])
+        assert torch.equal(ragged.positions[row, valid[row]], torch.arange(int(valid[row].sum())))
+        holes = ragged.kv[:, :, row, :, :m][:, :, :, ~valid[row]]
+        assert not holes.numel() or not holes.abs().sum()
+
+
 def test_block_sparse_attention_equals_the_dense_mask():
     torch.manual_seed(0)
     b, h, n, size, t, d = 2, 3, 4, 3, 7, 8

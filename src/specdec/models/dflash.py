@@ -355,7 +355,7 @@ class ContextCache(NativeCache):
         self.runtime = runtime
         super().__init__(types.SimpleNamespace(model=runtime.core), batch_size, capacity)
         self._ctx: torch.Tensor | None = None  # [B, m, H] fused context of the pass's new columns
-        self._split = 0  # columns of the pass that are context (-1: a keys-and-values pass of context only)
+        self._split = 0  # columns of the pass that are context
 
     @torch.inference_mode()
     def draft(self, features: torch.Tensor | None, valid: torch.Tensor | None, anchors: torch.Tensor,
@@ -368,15 +368,11 @@ class ContextCache(NativeCache):
         batch = anchors.shape[0]
         layers = len(self.model.layers)
         m = 0 if features is None else features.shape[1]
-        if m:
-            self._ctx = self.runtime.context(features.flatten(0, 1)).view(batch, m, -1)
         if m >= self.APART:
-            self._split = -1
-            try:
-                self.begin(anchors.new_zeros(batch, m), valid, stop=layers)
-            finally:
-                self._ctx, self._split = None, 0
+            self.enter_context(features, valid)
             m = 0
+        elif m:
+            self._ctx = self.runtime.context(features.flatten(0, 1)).view(batch, m, -1)
         mask = torch.full((batch, block_size), self.runtime.config.mask_token_id, dtype=torch.long,
                           device=anchors.device)
         mask[:, 0] = anchors
@@ -399,12 +395,35 @@ class ContextCache(NativeCache):
     def _inputs(self, tokens):
         return F.embedding(tokens.reshape(-1), self.model.embed)  # the context columns' residuals are unused
 
+    @torch.inference_mode()
+    def enter_context(self, features: torch.Tensor, valid: torch.Tensor) -> None:
+        """Context columns on their own: features [B, m, F] / valid [B, m] become m new columns holding each
+        layer's keys and values of their fused context, computed for the valid entries only. A backlog of
+        rows that joined at different times is mostly holes (11 rows of 401 columns holding 733 tokens, seen
+        serving at 64 clients): the valid entries go through the products as one packed block, whose rows'
+        bits do not depend on the block, and land at their columns; the holes hold zeros (attention adds
+        0 x value), what the keys of a zero context are."""
+        batch, m = valid.shape
+        past = self.columns
+        if past + m > self.capacity:
+            self._grow(past, past + m)
+        _, positions = self.append(valid)
+        rows, columns = valid.nonzero(as_tuple=True)
+        self.kv[:, :, :batch, :, past:past + m] = 0
+        if not rows.numel():
+            return
+        model, count = self.model, rows.numel()
+        ctx = self.runtime.context(features[rows, columns])  # [count, H]
+        packed = llama.new_kv(model, 1, count)  # [L, 2, 1, kv, count, D]
+        flat = positions[rows, columns].contiguous()
+        work = llama.scratch(model, 1, count)  # alive while the kernels write to it
+        params = llama.block_params(model, packed, 0, flat, work)
+        for index in range(len(model.layers)):
+            llama.layer_keys_values(model, index, ctx, None, params, packed)
+        self.kv[:, :, rows, :, past + columns] = packed[:, :, 0].permute(3, 0, 1, 2, 4)
+
     def _layer(self, index, block):
         m = self._split
-        if m < 0:  # context columns alone: keys and values from their fused context only
-            llama.layer_keys_values(self.model, index, self._ctx.reshape(-1, self._ctx.shape[-1]), None,
-                                    block.params, self.kv)
-            return block.hidden
         batch, n = block.shape
         x = block.hidden.view(batch, n, -1)
         normed = kernels.rms_norm(x[:, m:].reshape(batch * (n - m), -1).contiguous(), self.runtime.input_norms[index],
