@@ -401,6 +401,35 @@ def test_attention_rows_keep_their_bits_in_blocks_of_every_size(dtype, monkeypat
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_masked_rows_are_each_row_alone_over_the_columns_it_sees(dtype, monkeypatch):
+    """A prompt's causal block and a block with holes (9 query heads over 3 key heads, head size 64): each
+    query row's output is the bits of that row alone, without a mask, over exactly the columns it sees, in
+    the native build and the portable one. Attention stops at a row's last visible column (a causal row
+    reads no later key), so this is what stopping early must keep."""
+    portable = kernels.load_library(kernels.build(native=False))
+    generator = torch.Generator().manual_seed(9)
+    n, columns = 70, 90
+    q = torch.randn(1, n, 9, 64, generator=generator).to(dtype)
+    kv = torch.randn(2, 1, 3, columns, 64, generator=generator).to(dtype)
+    causal = torch.ones(1, n, columns, dtype=torch.bool)
+    causal[0, :, columns - n:] = torch.ones(n, n, dtype=torch.bool).tril()
+    holes = causal.clone()
+    holes[0, :, 5:12] = False   # a row that joined late
+    holes[0, :, 40:43] = False
+    for library in (kernels.library(), portable):
+        monkeypatch.setattr(kernels, "_library", library)
+        for visible in (causal, holes):
+            block = kernels.attention(q, kv[0], kv[1], visible, torch.empty(1, n, 9 * 64, dtype=dtype), 0.125)
+            for i in (0, 1, 7, 8, 9, 33, n - 2, n - 1):
+                seen = visible[0, i]
+                keys, values = kv[0][:, :, seen].contiguous(), kv[1][:, :, seen].contiguous()
+                alone = kernels.attention(torch.empty(1, 1, 9, 64, dtype=dtype).copy_(q[:, i:i + 1]), keys, values, None,
+                                          torch.empty(1, 1, 9 * 64, dtype=dtype), 0.125)
+                assert torch.equal(block[0, i], alone[0, 0]), (i, library)
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_attention_rope_and_head_norm_kernels_match_their_definition(dtype):
     generator = torch.Generator().manual_seed(6)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]

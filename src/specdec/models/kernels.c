@@ -1892,6 +1892,8 @@ struct attention_job {
     long ld_q, ld_b, ld_h, B, n, heads, kv, D, T, ld_out; float scale; int dtype;
     atomic_int failed;  /* a part could not allocate its work memory */
     long slices;        /* each key head's query rows in this many slices (work items) */
+    const int32_t* reach;  /* [B, n]: 1 + the last column each position sees (NULL: no mask, every column) */
+    const int64_t* cost;   /* [B, n + 1]: the positions' reaches summed, where slices split the work evenly */
 };
 
 /* A query row dotted with a key: lane l = d % 8 is the FMA chain over d = l, l + 8, ... in order
@@ -2019,14 +2021,16 @@ static inline __attribute__((always_inline)) void score_tile_3x4(const float* q,
 #endif
 
 #if defined(SD_WIDE)
-/* Attention outputs of R rows x 16 C columns: acc[r, d] = fma(p[r, t], v[t, d], acc) over t in order,
- * the chain the eight-lane loops below compute. v: the head's values (element t * D + d). */
-typedef void (*value_fn)(const float* p, long T, const void* v, long D, long d, float* out, long ldo);
+/* Attention outputs of R rows x 16 C columns: acc[r, d] = fma(p[r, t], v[t, d], acc) over t < len in order,
+ * the chain the eight-lane loops below compute (p: rows of T; every row's p is 0 from len on). v: the head's
+ * values (element t * D + d). */
+typedef void (*value_fn)(const float* p, long T, long len, const void* v, long D, long d, float* out, long ldo);
 #define VALUE_TILE(R, C, NAME)                                                                     \
-static void value_##NAME##_##R##_##C(const float* p, long T, const void* v, long D, long d, float* out, long ldo) { \
+static void value_##NAME##_##R##_##C(const float* p, long T, long len, const void* v, long D, long d, float* out, \
+                                     long ldo) {                                                   \
     __m512 acc[R][C];                                                                              \
     for (int r = 0; r < R; r++) for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();      \
-    for (long t = 0; t < T; t++) {                                                                 \
+    for (long t = 0; t < len; t++) {                                                               \
         __m512 w[C];                                                                               \
         for (int c = 0; c < C; c++) w[c] = wide_##NAME(v, t * D + d + 16 * c);                     \
         for (int r = 0; r < R; r++) {                                                              \
@@ -2046,12 +2050,12 @@ VALUE_TABLE(bf16)
 VALUE_TABLE(f16)
 #endif
 
-/* score[r, t] for rows [0, rows) and keys [0, t8) (t8 a multiple of 8), the tiles specialised per dtype. */
+/* score[r, t] for rows [0, rows) and keys [t0, t8) (multiples of 8), the tiles specialised per dtype. */
 static inline __attribute__((always_inline)) void score_columns_as(const float* qf, long rows, const char* kbase,
-                                                                   int dtype, long D, long t8, float scale,
+                                                                   int dtype, long D, long t0, long t8, float scale,
                                                                    float* score, long T) {
     size_t es = esize(dtype);
-    for (long t = 0; t < t8; t += 8) {
+    for (long t = t0; t < t8; t += 8) {
         long r = 0;
         const char* keys = kbase + t * D * es;
 #if SCORE_ROWS > 1
@@ -2067,20 +2071,21 @@ static inline __attribute__((always_inline)) void score_columns_as(const float* 
         for (; r < rows; r++) score_tile_1(qf + r * D, keys, dtype, D, scale, score + r * T + t, T);
     }
 }
-static void score_columns(const float* qf, long rows, const char* kbase, int dtype, long D, long t8, float scale,
-                          float* score, long T) {
-    if (dtype == BF16) score_columns_as(qf, rows, kbase, BF16, D, t8, scale, score, T);
-    else if (dtype == F16) score_columns_as(qf, rows, kbase, F16, D, t8, scale, score, T);
-    else score_columns_as(qf, rows, kbase, F32, D, t8, scale, score, T);
+static void score_columns(const float* qf, long rows, const char* kbase, int dtype, long D, long t0, long t8,
+                          float scale, float* score, long T) {
+    if (dtype == BF16) score_columns_as(qf, rows, kbase, BF16, D, t0, t8, scale, score, T);
+    else if (dtype == F16) score_columns_as(qf, rows, kbase, F16, D, t0, t8, scale, score, T);
+    else score_columns_as(qf, rows, kbase, F32, D, t0, t8, scale, score, T);
 }
 
 /* Outputs of R <= 3 rows (probabilities p, rows of T) over 32 columns from d: four chains per row held
  * in registers, acc[i, c] = fma(p[i, t], v[t, c], acc) for t = 0..T-1 in order, as every other path. */
-static inline __attribute__((always_inline)) void value_few(const float* p, long T, const char* vbase, size_t vbytes,
-                                                            long d, int dtype, float* acc, long D, const int R) {
+static inline __attribute__((always_inline)) void value_few(const float* p, long T, long len, const char* vbase,
+                                                            size_t vbytes, long d, int dtype, float* acc, long D,
+                                                            const int R) {
     v8 a[3][4];
     for (int i = 0; i < R; i++) for (int c = 0; c < 4; c++) a[i][c] = v_zero();
-    for (long t = 0; t < T; t++) {
+    for (long t = 0; t < len; t++) {
         const char* v = vbase + t * vbytes;
         v8 w[4];
         for (int c = 0; c < 4; c++) w[c] = load_key(v, d + 8 * c, dtype);
@@ -2093,7 +2098,10 @@ static inline __attribute__((always_inline)) void value_few(const float* p, long
 }
 
 /* Rows [r0, r1) of one key head's n x g query rows (row i * g + jj: position i, group member jj).
- * A row's result depends on nothing but its own query, so the rows may be split between threads. */
+ * A row's result depends on nothing but its own query, so the rows may be split between threads.
+ * Columns past a row's last visible one are neither scored nor read for its output: its p is 0 there,
+ * and fma(0, v, acc) == acc for the finite values a cache holds, so stopping early is the same chain
+ * (a prompt's causal block reads half the columns it did; decoding, which sees every column, reads all). */
 static void attention_one(const struct attention_job* j, long b, long kvh, long r0, long r1, float* work) {
     long g = j->heads / j->kv, rows = r1 - r0, D = j->D, T = j->T;
     int dtype = j->dtype;
@@ -2102,6 +2110,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     float* acc = score + rows * T;     /* [rows, D] */
     float* vrow = acc + rows * D;      /* [D] */
     float* total = vrow + D;           /* [rows] */
+    int32_t* upto = (int32_t*)(total + rows);  /* [rows]: 1 + the last column rows 0..r see */
     size_t es = esize(dtype);
     for (long r = 0; r < rows; r++) {
         long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh;
@@ -2110,25 +2119,44 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     const char* kbase = (const char*)j->keys + (b * j->ld_b + kvh * j->ld_h) * es;
     const char* vbase = (const char*)j->values + (b * j->ld_b + kvh * j->ld_h) * es;
     const uint8_t* vis = j->visible ? j->visible + b * j->n * T : NULL;
+    for (long r = 0, most = 0; r < rows; r++) {
+        long reach = j->reach ? j->reach[b * j->n + (r0 + r) / g] : T;
+        most = reach > most ? reach : most;
+        upto[r] = (int32_t)most;
+    }
     /* Scores of the columns each row sees; the softmax over them in column order. */
     long t8 = D % 8 == 0 ? T / 8 * 8 : 0;  /* keys scored eight at a time */
-    if (t8) score_columns(qf, rows, kbase, dtype, D, t8, j->scale, score, T);
+    /* Tiles of keys [t, end) for the rows from ``first`` on, the rows before it seeing no column from t on
+     * (every tile gives a row the same bits, wherever the tiling starts): one run when all see every column. */
+    for (long t = 0, first = 0; t < t8;) {
+        while (first < rows && upto[first] <= t) first++;
+        if (first == rows) break;
+        long end = (upto[first] + 7) / 8 * 8;
+        end = end < t8 ? end : t8;
+        score_columns(qf + first * D, rows - first, kbase, dtype, D, t, end, j->scale, score + first * T, T);
+        t = end;
+    }
     for (long t = t8; t < T; t++) {
         const char* key = kbase + t * D * es;
         for (long r = 0; r < rows; r++)
             if (!vis || vis[((r0 + r) / g) * T + t]) score[r * T + t] = dot_key(qf + r * D, key, D, dtype) * j->scale;
     }
-    for (long r = 0; r < rows; r++) exp_row(score + r * T, vis ? vis + ((r0 + r) / g) * T : NULL, T);
+    /* The exponentials up to the row's reach (the columns past it are unseen, out of the maximum too), zeros
+     * from there to the widest reach, which the totals and the tiles of several rows run to. */
+    for (long r = 0; r < rows; r++) {
+        exp_row(score + r * T, vis ? vis + ((r0 + r) / g) * T : NULL, upto[r]);
+        for (long t = upto[r]; t < upto[rows - 1]; t++) score[r * T + t] = 0.f;
+    }
     /* Each row's total in column order; eight rows' chains side by side. */
     for (long r = 0; r < rows; r += 8) {
         int R = rows - r < 8 ? (int)(rows - r) : 8;
         float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (long t = 0; t < T; t++)
+        for (long t = 0; t < upto[r + R - 1]; t++)
             for (int i = 0; i < R; i++) sum[i] = sum[i] + score[(r + i) * T + t];
         for (int i = 0; i < R; i++) total[r + i] = sum[i];
     }
-    /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t = 0..T-1 in order. A column the row
-     * does not see has p = 0, and fma(0, v, acc) == acc, so every column can run through. */
+    /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t in order. A column the row does not see has
+     * p = 0, and fma(0, v, acc) == acc, so every column up to the widest reach of a tile's rows can run through. */
     size_t vbytes = D * es;
     long r = 0;
 #if defined(SD_WIDE)
@@ -2138,7 +2166,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
             int R = rows - r < 6 ? (int)(rows - r) : 6;
             for (long d = 0; d < D;) {
                 int C = D - d >= 64 ? 4 : 1;
-                tiles[R][C](score + r * T, T, vbase, D, d, acc + r * D + d, D);
+                tiles[R][C](score + r * T, T, upto[r + R - 1], vbase, D, d, acc + r * D + d, D);
                 d += 16 * C;
             }
         }
@@ -2150,7 +2178,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
         for (; d + 16 <= D; d += 16) {
             v8 a[4][2];
             for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = v_zero();
-            for (long t = 0; t < T; t++) {
+            for (long t = 0; t < upto[r + 3]; t++) {
                 const char* v = vbase + t * vbytes;
                 v8 v0 = load_key(v, d, dtype), v1 = load_key(v, d + 8, dtype);
                 for (int i = 0; i < 4; i++) {
@@ -2171,9 +2199,10 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     if (D % 32 == 0 && r < rows) {  /* the last 1-3 rows: their chains in registers (one row per call in decoding) */
         int R = (int)(rows - r);
         for (long d = 0; d < D; d += 32) {
-            if (R == 1) value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 1);
-            else if (R == 2) value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 2);
-            else value_few(score + r * T, T, vbase, vbytes, d, dtype, acc + r * D, D, 3);
+            long len = upto[rows - 1];
+            if (R == 1) value_few(score + r * T, T, len, vbase, vbytes, d, dtype, acc + r * D, D, 1);
+            else if (R == 2) value_few(score + r * T, T, len, vbase, vbytes, d, dtype, acc + r * D, D, 2);
+            else value_few(score + r * T, T, len, vbase, vbytes, d, dtype, acc + r * D, D, 3);
         }
         r = rows;
     }
@@ -2181,7 +2210,7 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
     for (; r < rows; r++) {
         float* a = acc + r * D;
         for (long i = 0; i < D; i++) a[i] = 0.f;
-        for (long t = 0; t < T; t++) {
+        for (long t = 0; t < upto[r]; t++) {
             float p = score[r * T + t];
             const float* v = (const float*)(vbase + t * vbytes);
             if (dtype != F32) { widen(vbase + t * vbytes, D, dtype, vrow); v = vrow; }
@@ -2201,10 +2230,26 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
 
 static size_t attention_work(const struct attention_job* j) {
     long rows = j->n * (j->heads / j->kv);
-    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + 8);
+    return sizeof(float) * (size_t)(rows * j->D * 2 + rows * j->T + j->D + rows + 8) + sizeof(int32_t) * rows;
 }
 
-/* Work items: (batch row, key head, slice of its query rows); a part takes a contiguous range of them. */
+/* Work items: (batch row, key head, slice of its query rows); a part takes a contiguous range of them.
+ * Slices hold equal rows, or with a mask equal work: whole positions, split where the reaches summed so
+ * far pass an equal share (a prompt's causal rows cost more the later they come). */
+static long slice_start(const struct attention_job* j, long b, long slice) {
+    long g = j->heads / j->kv;
+    if (!j->cost) return j->n * g * slice / j->slices;
+    const int64_t* cost = j->cost + b * (j->n + 1);
+    int64_t share = cost[j->n] * slice / j->slices;
+    long low = 0, high = j->n;  /* the first position whose reaches before it reach the share */
+    while (low < high) {
+        long mid = (low + high) / 2;
+        if (cost[mid] < share) low = mid + 1;
+        else high = mid;
+    }
+    return low * g;
+}
+
 static long attention_slices(const struct attention_job* j, int parts) {
     long pairs = j->B * j->kv, rows = j->n * (j->heads / j->kv);
     long slices = (2L * parts + pairs - 1) / pairs;  /* about two items per thread at least */
@@ -2220,8 +2265,9 @@ static void attention_part(void* arg, int part, int parts) {
     float* work = scratch_get(SCRATCH_ATTENTION, attention_work(j), &owned);
     if (!work) { atomic_store(&j->failed, 1); return; }
     for (long p = p0; p < p1; p++) {
-        long pair = p / slices, slice = p % slices;
-        attention_one(j, pair / j->kv, pair % j->kv, rows * slice / slices, rows * (slice + 1) / slices, work);
+        long pair = p / slices, slice = p % slices, b = pair / j->kv;
+        long r0 = slice_start(j, b, slice), r1 = slice + 1 < slices ? slice_start(j, b, slice + 1) : rows;
+        if (r0 < r1) attention_one(j, b, pair % j->kv, r0, r1, work);
     }
     scratch_put(work, owned);
 }
@@ -2234,9 +2280,30 @@ int sd_attention(const void* q, long ld_q, const void* keys, const void* values,
     /* Parallel from a few hundred thousand multiply-adds: a block of 2 tokens over 200 columns. */
     int parts = n * heads * T * D * 2 >= parallel_threshold / 2 ? active_threads : 1;
     job.slices = attention_slices(&job, parts);
+    void* held = NULL;
+    if (visible) {  /* each position's reach, and where it pays (more than one position) their running sums */
+        size_t at = (sizeof(int32_t) * B * n + 7) & ~(size_t)7;
+        held = malloc(at + (n > 1 ? sizeof(int64_t) * B * (n + 1) : 0));
+        if (!held) return 1;
+        int32_t* reach = held;
+        int64_t* cost = n > 1 ? (int64_t*)((char*)held + at) : NULL;
+        for (long b = 0; b < B; b++) {
+            if (cost) cost[b * (n + 1)] = 0;
+            for (long i = 0; i < n; i++) {
+                const uint8_t* seen = visible + (b * n + i) * T;
+                long t = T;
+                while (t > 0 && !seen[t - 1]) t--;
+                reach[b * n + i] = (int32_t)t;
+                if (cost) cost[b * (n + 1) + i + 1] = cost[b * (n + 1) + i] + t + 16;  /* 16: a row's own work */
+            }
+        }
+        job.reach = reach;
+        job.cost = cost;
+    }
     long items = B * kv * job.slices;
     if (parts > items) parts = (int)items;
     run_parallel(attention_part, &job, parts);
+    free(held);
     return atomic_load(&job.failed);
 }
 
