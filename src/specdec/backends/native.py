@@ -342,10 +342,14 @@ class NativeCache(RaggedCache):
 
     @torch.inference_mode()
     def _gather_columns(self, order: torch.Tensor) -> None:
-        layers, two, batch, heads, _, dim = self.kv.shape
+        # Row by row, whole columns (head_dim values each) at a time, and only the rows whose columns move: a
+        # gather over an index expanded to every value took 0.3 s for the 7 rows of a served batch whose holes
+        # had piled up over 300 plain steps (the first speculative step compacts them).
         width = order.shape[1]
-        index = order[None, None, :, None, :, None].expand(layers, two, batch, heads, width, dim)
-        self.kv[:, :, :, :, :width] = self.kv.gather(4, index)
+        staying = torch.arange(width, device=order.device)
+        for row in (~(order == staying).all(1)).nonzero()[:, 0].tolist():
+            columns = self.kv[:, :, row]  # [layers, 2, heads, capacity, dim]
+            columns[:, :, :, :width] = columns.index_select(3, order[row])
 
 
 class NativeBackend:
