@@ -968,3 +968,4 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
 specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
   --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
   --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s38c.json
+specdec demo > $OUT/demo-zen4-s38b.txt 2>&1
