@@ -949,23 +949,25 @@ specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --mo
   --threads 2 --in-process --output $OUT/dspark-serve-rounds-1-4-zen4-s37.json
 
 # --- Thirty-eighth session (the same Zen 4 model; 2 threads) ---
-# Served, then the scheduler's steps traced at 64 clients (where its time goes: admissions, probes, one slow step)
+# Every concurrency's rounds of plain decoding, DFlash's fixed block and the DSpark scheduler, into $OUT/$1
+serve_rounds() {
+  specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed \
+    dspark@confidence --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 \
+    --tasks sharegpt --threads 2 --in-process --output "$OUT/$1"
+}
+# The scheduler's steps traced at 64 and 16 clients (where its time goes: admissions, probes, one slow step)
 python docs/measurements/dspark_serve_trace.py 64
 python docs/measurements/dspark_serve_trace.py 16
 # A drafter's waiting context over its valid entries only, against every entry (the previous code's work)
 python docs/measurements/context_entry_ab.py > $OUT/context-entry-ab-zen4-s38.txt
-# Served after it (rounds), then after the attention change, then after the compaction change
-specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
-  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
-  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s38.json
-# Attention that stops at each row's last visible column: OLD.so a build of the session's first kernels.c
+# Served after it, then after the attention change (OLD.so: a build of the session's first kernels.c), then after
+# the compaction change
+serve_rounds dspark-serve-rounds-zen4-s38.json
 python docs/measurements/attention_reach_ab.py OLD.so 16 > $OUT/attention-reach-ab-zen4-s38.txt
 python docs/measurements/prefill_ab.py OLD.so smollm2-135m bfloat16 48,166,500 8 > $OUT/prefill-ab-zen4-s38.txt
 specdec demo > $OUT/demo-zen4-s38.txt 2>&1
-specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
-  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
-  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s38b.json
-specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dflash@fixed dspark@confidence \
-  --concurrency 1 4 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
-  --threads 2 --in-process --output $OUT/dspark-serve-rounds-zen4-s38c.json
+serve_rounds dspark-serve-rounds-zen4-s38b.json
+serve_rounds dspark-serve-rounds-zen4-s38c.json
 specdec demo > $OUT/demo-zen4-s38b.txt 2>&1
+# Issue 23's curves
+python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s38.json

@@ -409,7 +409,7 @@ class ContextCache(NativeCache):
             self._grow(past, past + m)
         _, positions = self.append(valid)
         rows, columns = valid.nonzero(as_tuple=True)
-        self.kv[:, :, :batch, :, past:past + m] = 0
+        self.kv[:, :, :, :, past:past + m] = 0
         if not rows.numel():
             return
         model, count = self.model, rows.numel()
