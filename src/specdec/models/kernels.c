@@ -1949,11 +1949,7 @@ static inline __attribute__((always_inline)) void score_tile_##R(const float* q,
             for (int r = 0; r < R; r++) acc[r][c] = v_fma(qv[r], kv, acc[r][c]);                   \
         }                                                                                          \
     }                                                                                              \
-    for (int r = 0; r < R; r++) {                                                                  \
-        float s8[8];                                                                               \
-        v_store(s8, tree_sums(acc[r]));                                                            \
-        for (int c = 0; c < 8; c++) out[r * ldo + c] = s8[c] * scale;                              \
-    }                                                                                              \
+    for (int r = 0; r < R; r++) v_store(out + r * ldo, v_mul(tree_sums(acc[r]), v_set1(scale)));  \
 }
 SCORE_TILE(1)
 #if defined(SD_WIDE)
@@ -1978,13 +1974,11 @@ static inline __attribute__((always_inline)) void score_tile_wide6(const float* 
     }
     for (int r = 0; r < 6; r++) {
         v8 halves[8];
-        float s8[8];
         for (int c = 0; c < 4; c++) {
             halves[2 * c] = _mm512_castps512_ps256(acc[r][c]);
             halves[2 * c + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
         }
-        v_store(s8, tree_sums(halves));
-        for (int c = 0; c < 8; c++) out[r * ldo + c] = s8[c] * scale;
+        v_store(out + r * ldo, v_mul(tree_sums(halves), v_set1(scale)));
     }
 }
 #else
@@ -2097,6 +2091,16 @@ static inline __attribute__((always_inline)) void value_few(const float* p, long
     for (int i = 0; i < R; i++) for (int c = 0; c < 4; c++) v_store(acc + i * D + d + 8 * c, a[i][c]);
 }
 
+/* total[i] = p[i, 0] + p[i, 1] + ... over t < len, in column order, for R rows of p (rows of T): the
+ * rows' chains side by side in registers. */
+static inline __attribute__((always_inline)) void row_totals(const float* p, long T, long len, float* total,
+                                                             const int R) {
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (long t = 0; t < len; t++)
+        for (int i = 0; i < R; i++) sum[i] = sum[i] + p[i * T + t];
+    for (int i = 0; i < R; i++) total[i] = sum[i];
+}
+
 /* Rows [r0, r1) of one key head's n x g query rows (row i * g + jj: position i, group member jj).
  * A row's result depends on nothing but its own query, so the rows may be split between threads.
  * Columns past a row's last visible one are neither scored nor read for its output: its p is 0 there,
@@ -2148,12 +2152,12 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
         for (long t = upto[r]; t < upto[rows - 1]; t++) score[r * T + t] = 0.f;
     }
     /* Each row's total in column order; eight rows' chains side by side. */
-    for (long r = 0; r < rows; r += 8) {
-        int R = rows - r < 8 ? (int)(rows - r) : 8;
-        float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (long t = 0; t < upto[r + R - 1]; t++)
-            for (int i = 0; i < R; i++) sum[i] = sum[i] + score[(r + i) * T + t];
-        for (int i = 0; i < R; i++) total[r + i] = sum[i];
+    for (long r = 0; r < rows;) {  /* eight rows at a time, then four, then one (zeros past a reach add +0) */
+        int R = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : 1;
+        if (R == 8) row_totals(score + r * T, T, upto[r + 7], total + r, 8);
+        else if (R == 4) row_totals(score + r * T, T, upto[r + 3], total + r, 4);
+        else row_totals(score + r * T, T, upto[r], total + r, 1);
+        r += R;
     }
     /* Outputs: acc[r, d] = fma(p[r, t], v[t, d], acc) over t in order. A column the row does not see has
      * p = 0, and fma(0, v, acc) == acc, so every column up to the widest reach of a tile's rows can run through. */
@@ -2221,10 +2225,11 @@ static void attention_one(const struct attention_job* j, long b, long kvh, long 
         }
     }
     for (long r = 0; r < rows; r++) {
-        long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh;
+        long i = (r0 + r) / g, h = ((r0 + r) % g) * j->kv + kvh, at = (b * j->n + i) * j->ld_out + h * D, d = 0;
         float sum = total[r];
-        for (long d = 0; d < D; d++)
-            store1(j->out, (b * j->n + i) * j->ld_out + h * D + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, dtype);
+        if (sum > 0.f)  /* a division per element, as the tail's (IEEE: the same quotient in any width) */
+            for (; d + 8 <= D; d += 8) store8(j->out, at + d, v_div(v_load(acc + r * D + d), v_set1(sum)), dtype);
+        for (; d < D; d++) store1(j->out, at + d, sum > 0.f ? acc[r * D + d] / sum : 0.f, dtype);
     }
 }
 
@@ -2235,7 +2240,7 @@ static size_t attention_work(const struct attention_job* j) {
 
 /* Work items: (batch row, key head, slice of its query rows); a part takes a contiguous range of them.
  * Slices hold equal rows, or with a mask equal work: whole positions, split where the reaches summed so
- * far pass an equal share (a prompt's causal rows cost more the later they come). */
+ * far come nearest an equal share (a prompt's causal rows cost more the later they come). */
 static long slice_start(const struct attention_job* j, long b, long slice) {
     long g = j->heads / j->kv;
     if (!j->cost) return j->n * g * slice / j->slices;
@@ -2247,6 +2252,7 @@ static long slice_start(const struct attention_job* j, long b, long slice) {
         if (cost[mid] < share) low = mid + 1;
         else high = mid;
     }
+    if (low > 0 && share - cost[low - 1] < cost[low] - share) low--;  /* the nearer of the two boundaries */
     return low * g;
 }
 
