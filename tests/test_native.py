@@ -398,3 +398,30 @@ def test_torch_single_threaded_restores_the_thread_count():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["tied", "llama"])
+def test_weights_moved_to_huge_pages_give_the_same_bits_and_a_shared_tensor_moves_once(native_dirs, name,
+                                                                                         monkeypatch):
+    """A model large enough to stream its weights has them copied into one mapping that asks for huge pages
+    (kernels.move_to_huge_pages); the tiny model here is moved by lowering the size it takes. The same values
+    at other addresses: every logit the same bits as the model left where it was packed."""
+    from specdec.models import kernels
+
+    kept = NativeBackend.load(native_dirs[name])
+    monkeypatch.setattr(kernels, "HUGE_PAGES_FROM", 0)
+    moved = NativeBackend.load(native_dirs[name])
+    matrices = [m for layer in moved.model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if kernels.huge_page_copies([torch.zeros(1)]) is not None:  # Linux: every packed weight in the mapping
+        bases = {m.packed.untyped_storage().data_ptr() for m in matrices + [moved.model.head]}
+        assert len(bases) == 1
+    rows = [[5, 9, 2, 7, 7, 3], [1, 4, 4, 8, 2, 6]]
+    assert torch.equal(run(moved.new_cache(2, 16), rows, 6)[0], run(kept.new_cache(2, 16), rows, 6)[0])
+    shared = kernels.Matrix.pack(torch.randn(64, 32))
+    twin = kernels.Matrix(shared.packed, shared.rows, shared.cols)
+    other = kernels.Matrix.pack(torch.randn(64, 32))
+    if kernels.move_to_huge_pages([shared, twin, other]):
+        assert shared.packed is twin.packed and other.packed.data_ptr() != shared.packed.data_ptr()
+    monkeypatch.setattr(kernels, "HUGE_PAGES_FROM", 1 << 40)
+    before = other.packed
+    assert not kernels.move_to_huge_pages([other]) and other.packed is before  # below the size: left where it is

@@ -596,12 +596,17 @@ def drafter_core(config, embed: torch.Tensor, layers: list[Layer], head: Matrix,
                  embed=embed.to(dtype).contiguous(), layers=layers, norm=torch.ones(embed.shape[1], dtype=dtype),
                  head=head, inv_freq=inverse_frequencies(rope, config.head_dim), heads=config.num_attention_heads,
                  kv_heads=config.num_key_value_heads, head_dim=config.head_dim, eps=config.rms_norm_eps)
-    bind_layers(core)
+    bind_layers(core, huge_pages=False)  # a few layers; the head, the large part, is the target's (moved with it)
     return core
 
 
-def bind_layers(model: Llama) -> None:
-    """Give every layer its kernel parameters (after the model's sizes are known)."""
+def bind_layers(model: Llama, huge_pages: bool = True) -> None:
+    """Give every layer its kernel parameters (after the model's sizes are known); with ``huge_pages``, the
+    layers' and the head's packed weights first move to huge pages where the model is large enough
+    (kernels.move_to_huge_pages)."""
+    if huge_pages:
+        kernels.move_to_huge_pages([m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                                          layer.down)] + [model.head])
     for layer in model.layers:
         layer.params = layer_params(layer, model)
         layer.ref = ctypes.byref(layer.params)
