@@ -1,10 +1,10 @@
 """Where a staged pass of the shipped Q4_1 file goes: the draft model's layers, its head, the rest of its forward
 (bookkeeping in Python) and the staged loop around it (guesses, the pass's outcome, the cache's rollback).
 
-    python docs/measurements/staged_pass_parts.py [PROMPTS]
+    python docs/measurements/staged_pass_parts.py [PROMPTS [GUESSER]]
 
-PROMPTS held-out prompts of each of sharegpt and humaneval (default 2), 64 new tokens, k = 8, staged on prompt
-lookup with 3 guesses a pass, bfloat16 target, 2 threads; two rounds, the second printed: milliseconds per pass.
+PROMPTS held-out prompts of each of sharegpt and humaneval (default 2), 64 new tokens, k = 8, staged on GUESSER
+(prompt-lookup, the default, or retrieval) with 3 guesses a pass, bfloat16 target, 2 threads; two rounds, the second printed: milliseconds per pass.
 """
 import sys
 import time
@@ -26,7 +26,7 @@ def main(count: int) -> None:
     torch.set_num_threads(2)
     target = load_target(zoo_path("smollm2-135m"), dtype="bfloat16")
     texts = [p for name in ("sharegpt", "humaneval") for p in load_tasks(name, tokenizer=target.tokenizer)[:count]]
-    drafter = DraftModel(zoo_path("smollm2-135m-q4_1"), staged="prompt-lookup", staged_guesses=3)
+    drafter = DraftModel(zoo_path("smollm2-135m-q4_1"), staged=(sys.argv[2] if len(sys.argv) > 2 else "prompt-lookup"), staged_guesses=3)
     seconds, calls, inside = Counter(), Counter(), [False]
 
     def timed(owner, name, key):
