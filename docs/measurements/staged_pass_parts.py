@@ -4,7 +4,8 @@
     python docs/measurements/staged_pass_parts.py [PROMPTS [GUESSER]]
 
 PROMPTS held-out prompts of each of sharegpt and humaneval (default 2), 64 new tokens, k = 8, staged on GUESSER
-(prompt-lookup, the default, or retrieval) with 3 guesses a pass, bfloat16 target, 2 threads; two rounds, the second printed: milliseconds per pass.
+(prompt-lookup, the default, or retrieval) with 3 guesses a pass, bfloat16 target, 2 threads; two rounds, the
+second printed: milliseconds per pass.
 """
 import sys
 import time
