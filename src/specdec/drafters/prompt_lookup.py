@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.batch import Sequences
@@ -46,11 +47,14 @@ def match_starts(tokens: torch.Tensor, max_ngram: int, min_ngram: int):
     the most recent earlier occurrence first. tokens: [L] long, the whole context."""
     length = tokens.shape[0]
     found: dict[int, list[int]] = {}
+    ids = tokens.cpu().numpy()  # numpy's small operations cost a fraction of torch's (a drafting step makes several)
 
     def hits(n: int) -> list[int]:  # window starts, in order, of every earlier occurrence of the n-token tail
-        if n not in found:
-            windows = tokens[: length - 1].unfold(0, n, 1)  # [L-n, n]: every window that ends before the last token
-            found[n] = (windows == tokens[length - n:]).all(1).nonzero().squeeze(1).tolist()
+        if n not in found:  # windows that end before the last token, narrowed token by token
+            starts = np.flatnonzero(ids[: length - n] == ids[length - n])
+            for j in range(1, n):
+                starts = starts[ids[starts + j] == ids[length - n + j]]
+            found[n] = starts.tolist()
         return found[n]
 
     longest = longest_occurring(min_ngram, min(max_ngram, length - 1), lambda n: bool(hits(n)))
@@ -148,10 +152,13 @@ def tree_proposal(rows: list[tuple[list[int], list[int], list[int]]], device, wi
     """A Proposal from each row's (tokens, parents, depths), padded to ``width`` (default: the widest row);
     ``chain``: the rows are paths, proposed as chains."""
     width = width or max(1, max(len(tokens) for tokens, _, _ in rows))
+    lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
+    if chain:  # one tensor from the padded lists (a staged draft model asks for a chain every pass)
+        return Proposal(torch.tensor([list(t) + [0] * (width - len(t)) for t, _, _ in rows], dtype=torch.long,
+                                     device=device), lengths)
     table = torch.zeros(3, len(rows), width, dtype=torch.long)  # tokens, parents, depths
     table[1] = -1
     for row, columns in enumerate(rows):
         table[:, row, : len(columns[0])] = torch.tensor(columns, dtype=torch.long).reshape(3, -1)
     tokens, parents, depths = table.to(device)
-    lengths = torch.tensor([len(t) for t, _, _ in rows], dtype=torch.long, device=device)
-    return Proposal(tokens, lengths) if chain else Proposal(tokens, lengths, None, parents, depths)
+    return Proposal(tokens, lengths, None, parents, depths)
