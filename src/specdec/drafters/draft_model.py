@@ -293,37 +293,43 @@ class DraftModelSession:
         batch, device = seqs.batch_size, seqs.tokens.device
         # the committed tokens and the drafts so far, what the guesser reads (room for a pass past k)
         context = Sequences.widened(seqs, k + self.staged_guesses + 1, self.pad)
-        # room for a pass's every draft past the last kept one: slots past a row's count are padding
-        drafts = torch.zeros(batch, k + self.staged_guesses + 1, dtype=torch.long, device=device)
-        counts = torch.zeros(batch, dtype=torch.long, device=device)
-        going = torch.ones(batch, dtype=torch.bool, device=device)  # below k drafts and not cut by p_min
-        columns = torch.arange(k + 1, device=device)
+        # per row in Python lists (a few rows; after a pass streams the weights, every small tensor operation
+        # costs tens of microseconds): the drafts so far and whether the row drafts on (below k, not cut)
+        drafts: list[list[int]] = [[] for _ in range(batch)]
+        going = [True] * batch
         unseen, unseen_valid = seqs.window(self.cache.lengths, seqs.lengths, self.pad)
         while True:
-            width = min(self.staged_guesses, int(torch.where(going, k - counts, 0).max()) - 1)  # no guess past k
-            guesses, lengths = unseen.new_zeros(batch, 0), torch.zeros_like(counts)
+            room = [k - len(row) if on else 0 for row, on in zip(drafts, going)]
+            width = min(self.staged_guesses, max(room) - 1)  # no guess past k
+            guesses, lengths = unseen.new_zeros(batch, 0), [0] * batch
             if width > 0:
                 guess = self.staged.propose(context, width)
-                guesses, lengths = guess.tokens[:, :width], torch.where(going, guess.lengths.clamp(max=width), 0)
+                guesses = guess.tokens[:, :width]
+                lengths = [min(n, width) if on else 0 for n, on in zip(guess.lengths.tolist(), going)]
             width = guesses.shape[1]
-            guessed = columns[:width] < lengths[:, None]
+            guessed = torch.tensor([[j < n for j in range(width)] for n in lengths], dtype=torch.bool,
+                                   device=device).view(batch, width)
             before = self.cache.lengths.clone()
             logits, _ = self.cache.forward(torch.cat([unseen, guesses], 1), torch.cat([unseen_valid, guessed], 1),
                                            logits_to_keep=width + 1)
-            kept, chosen = self._agreeing(logits, guesses, lengths)
-            new = torch.minimum(kept + 1, k - counts) * going
+            kept, chosen = self._agreeing(logits, guesses, torch.tensor(lengths, device=device))
+            new = [min(n + 1, left) for n, left in zip(kept.tolist(), room)]
             if self.p_min is not None:  # each draft's own top probability, as ConfidenceStop reads it
-                sure = (top_probability(logits) >= self.p_min).long().cumprod(1).sum(1)
-                going &= sure >= new
-                new = torch.minimum(new, sure)
-            drafts.scatter_(1, counts[:, None] + columns[:width + 1], chosen)  # the next pass writes from counts + new
-            context.append(chosen, new)
-            counts = counts + new
-            going &= counts < k
+                sure = (top_probability(logits) >= self.p_min).long().cumprod(1).sum(1).tolist()
+                going = [on and s >= n for on, s, n in zip(going, sure, new)]
+                new = [min(n, s) for n, s in zip(new, sure)]
+            for row, (tokens, n) in enumerate(zip(chosen.tolist(), new)):
+                drafts[row] += tokens[:n]
+            context.append(chosen, torch.tensor(new, device=device))
+            going = [on and len(row) < k for on, row in zip(going, drafts)]
             self.cache.truncate(before + unseen_valid.sum(1) + kept)
-            if not bool(going.any()):
-                return Proposal(drafts[:, :int(counts.max())], counts)
-            unseen, unseen_valid = chosen.gather(1, kept[:, None]), going[:, None].clone()
+            if not any(going):
+                counts = [len(row) for row in drafts]
+                width = max(counts)
+                return Proposal(torch.tensor([row + [0] * (width - len(row)) for row in drafts], dtype=torch.long,
+                                             device=device).view(batch, width), torch.tensor(counts, device=device))
+            unseen = chosen.gather(1, kept[:, None])
+            unseen_valid = torch.tensor(going, device=device)[:, None]
 
     def _agreeing(self, logits: torch.Tensor, guesses: torch.Tensor, lengths: torch.Tensor):
         """A staged pass's outcome from its logits [B, W + 1, V] and the guesses [B, W] it read (a row's first
