@@ -971,3 +971,28 @@ serve_rounds dspark-serve-rounds-zen4-s38c.json
 specdec demo > $OUT/demo-zen4-s38b.txt 2>&1
 # Issue 23's curves
 python docs/measurements/cost_curves.py --threads 2 --output $OUT/cost-curves-zen4-s38.json
+
+# --- Thirty-ninth session (the same Zen 4 model; 2 threads) ---
+# OLD.so: a build of the session's first kernels.c; llama.cpp's tools from ../shared/scripts/build-llamacpp.sh
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-zen4-s39.json
+# Where a pass goes, phase by phase; attention's per-row work vectorised against the first build
+python docs/measurements/layer_phases.py smollm2-135m bfloat16 1,4,9,16 > $OUT/layer-phases-zen4-s39.txt
+python docs/measurements/layer_phases.py smollm2-135m-q4_1 float32 1,4,9,16 >> $OUT/layer-phases-zen4-s39.txt
+python docs/measurements/attention_ab_shapes.py OLD.so 30 > $OUT/attention-ab-shapes-zen4-s39.txt
+# Weights in huge pages or not, both loading orders
+for model in "smollm2-135m bfloat16" "smollm2-135m-q4_1 float32"; do
+  for order in plain,huge huge,plain; do
+    ORDER=$order python docs/measurements/huge_pages_ab.py $model 1,4,9,16 >> $OUT/huge-pages-ab-zen4-s39.txt
+  done
+done
+specdec demo > $OUT/demo-zen4-s39.txt 2>&1
+# The staged draft model's Python: retrieval's guesses, then the loop (each against its file's previous version)
+git show 0c3efec:src/specdec/drafters/prompt_lookup.py > /tmp/old_pl.py
+python docs/measurements/staged_propose_ab.py /tmp/old_pl.py > $OUT/staged-propose-ab-zen4-s39.txt
+git show 1663b4d:src/specdec/drafters/draft_model.py > /tmp/old_draft_model.py
+python docs/measurements/staged_loop_ab.py /tmp/old_draft_model.py > $OUT/staged-loop-ab-zen4-s39.txt
+# Issue 23's curves at the end, the demo twice
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-zen4-s39b.json
+specdec demo > $OUT/demo-zen4-s39b.txt 2>&1
+specdec demo > $OUT/demo-zen4-s39c.txt 2>&1
