@@ -412,7 +412,7 @@ def test_weights_moved_to_huge_pages_give_the_same_bits_and_a_shared_tensor_move
     monkeypatch.setattr(kernels, "HUGE_PAGES_FROM", 0)
     moved = NativeBackend.load(native_dirs[name])
     matrices = [m for layer in moved.model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if kernels.huge_page_copies([torch.zeros(1)]) is not None:  # Linux: every packed weight in the mapping
+    if kernels.huge_page_arena(1) is not None:  # Linux: every packed weight in the one mapping
         bases = {m.packed.untyped_storage().data_ptr() for m in matrices + [moved.model.head]}
         assert len(bases) == 1
     rows = [[5, 9, 2, 7, 7, 3], [1, 4, 4, 8, 2, 6]]

@@ -355,53 +355,57 @@ class Matrix:
 
 # Weights in transparent huge pages. A forward pass streams every weight once; on 4 KiB pages that is a
 # page walk every 4 KiB (a 92 MB Q4_1 model: some 23,000 a pass), on 2 MiB pages a few dozen. Measured on the
-# real target (Zen 4, two threads, both orders of loading, interleaved): Q4_1 passes of 1-16 tokens
-# 0.88-0.98x the time. Linux gives anonymous memory huge pages where it is asked (the usual setting,
-# transparent_hugepage "madvise"), so the packed weights of a model large enough to stream from memory are
-# copied into one mapping that asks for them. The same values at other addresses: the same bits.
+# real target (Zen 4, two threads, both orders of loading, interleaved): passes of 1-16 tokens 0.86-0.98x the
+# time with Q4_1 weights, 0.93-0.99x with bfloat16 ones. Linux gives anonymous memory huge pages where it is
+# asked (the usual setting, transparent_hugepage "madvise"), so the packed weights of a model large enough to
+# stream from memory are copied into one mapping that asks for them. The same values at other addresses: the
+# same bits.
 HUGE_PAGE = 2 << 20
 HUGE_PAGES_FROM = 32 << 20  # bytes of weights from which a model's are moved (smaller ones stay in the caches)
 
 
-def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Copies of ``tensors`` laid out one after another (64-byte aligned) in one private anonymous mapping
-    that asks the kernel for transparent huge pages, or None where the system has no such request
-    (not Linux) or the mapping fails. The copies keep the mapping alive."""
+def huge_page_arena(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of uint8 from a 2 MiB boundary of a private anonymous mapping that asks the kernel for
+    transparent huge pages, or None where the system has no such request (not Linux) or the mapping fails.
+    Views of it keep the mapping alive."""
     import mmap
 
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if advice is None or None in flags:
         return None
-    sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
     try:
-        region = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=flags[0] | flags[1])
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags[0] | flags[1])
         region.madvise(advice)
     except (OSError, ValueError):
         return None
     arena = torch.frombuffer(region, dtype=torch.uint8)
-    at = (-arena.data_ptr()) % HUGE_PAGE  # huge pages start on 2 MiB boundaries
-    copies = []
-    for t, size in zip(tensors, sizes):
-        copy = arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        copies.append(copy.copy_(t))
-        at += size
-    return copies
+    at = (-arena.data_ptr()) % HUGE_PAGE
+    return arena[at:at + nbytes]
 
 
 def move_to_huge_pages(matrices: list["Matrix | QMatrix"]) -> bool:
-    """Move the packed weights of ``matrices`` (whole, each object's ``packed`` replaced) into huge pages
-    when they add up to HUGE_PAGES_FROM bytes or more; whether they moved. A tensor two matrices share moves
-    once; kernel parameters built from the old addresses must be built again."""
-    unique = list({id(m.packed): m.packed for m in matrices}.values())
-    if sum(t.numel() * t.element_size() for t in unique) < HUGE_PAGES_FROM:
-        return False
-    copies = huge_page_copies(unique)
-    if copies is None:
-        return False
-    moved = {id(old): new for old, new in zip(unique, copies)}
+    """Move the packed weights of ``matrices`` (each object's ``packed`` replaced) into one huge-page arena
+    when they add up to HUGE_PAGES_FROM bytes or more; whether they moved. A tensor several matrices share
+    moves once; each old tensor is released as soon as it is copied (no second copy of the whole model at
+    once). Kernel parameters built from the old addresses must be built again."""
+    sharing: dict[int, list] = {}
     for m in matrices:
-        m.packed = moved[id(m.packed)]
+        sharing.setdefault(id(m.packed), []).append(m)
+    sizes = [group[0].packed.numel() * group[0].packed.element_size() for group in sharing.values()]
+    if sum(sizes) < HUGE_PAGES_FROM:
+        return False
+    padded = [(size + 63) // 64 * 64 for size in sizes]  # each tensor on a cache line
+    arena = huge_page_arena(sum(padded))
+    if arena is None:
+        return False
+    at = 0
+    for group, size, room in zip(sharing.values(), sizes, padded):
+        old = group[0].packed
+        new = arena[at:at + size].view(old.dtype).view(old.shape).copy_(old)
+        for m in group:
+            m.packed = new
+        at += room
     return True
 
 
