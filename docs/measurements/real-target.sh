@@ -992,6 +992,10 @@ git show 0c3efec:src/specdec/drafters/prompt_lookup.py > /tmp/old_pl.py
 python docs/measurements/staged_propose_ab.py /tmp/old_pl.py > $OUT/staged-propose-ab-zen4-s39.txt
 git show 1663b4d:src/specdec/drafters/draft_model.py > /tmp/old_draft_model.py
 python docs/measurements/staged_loop_ab.py /tmp/old_draft_model.py > $OUT/staged-loop-ab-zen4-s39.txt
+# The staged draft model over issue 22's prompts
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 8 --draft-staged retrieval --no-transformers --threads 2 \
+  --output $OUT/staged-retrieval-20x128-zen4-s39.json
 # Issue 23's curves at the end, the demo twice
 python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-zen4-s39b.json
 specdec demo > $OUT/demo-zen4-s39b.txt 2>&1
