@@ -356,7 +356,7 @@ class Matrix:
 # Weights in transparent huge pages. A forward pass streams every weight once; on 4 KiB pages that is a
 # page walk every 4 KiB (a 92 MB Q4_1 model: some 23,000 a pass), on 2 MiB pages a few dozen. Measured on the
 # real target (Zen 4, two threads, both orders of loading, interleaved): passes of 1-16 tokens 0.86-0.98x the
-# time with Q4_1 weights, 0.93-0.99x with bfloat16 ones. Linux gives anonymous memory huge pages where it is
+# time with Q4_1 weights, 0.90-0.99x with bfloat16 ones. Linux gives anonymous memory huge pages where it is
 # asked (the usual setting, transparent_hugepage "madvise"), so the packed weights of a model large enough to
 # stream from memory are copied into one mapping that asks for them. The same values at other addresses: the
 # same bits.
