@@ -979,7 +979,7 @@ python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output 
 # Where a pass goes, phase by phase; attention's per-row work vectorised against the first build
 python docs/measurements/layer_phases.py smollm2-135m bfloat16 1,4,9,16 > $OUT/layer-phases-zen4-s39.txt
 python docs/measurements/layer_phases.py smollm2-135m-q4_1 float32 1,4,9,16 >> $OUT/layer-phases-zen4-s39.txt
-python docs/measurements/attention_ab_shapes.py OLD.so 30 > $OUT/attention-ab-shapes-zen4-s39.txt
+python docs/measurements/attention_reach_ab.py OLD.so 30 pass > $OUT/attention-ab-shapes-zen4-s39.txt
 # Weights in huge pages or not, both loading orders
 for model in "smollm2-135m bfloat16" "smollm2-135m-q4_1 float32"; do
   for order in plain,huge huge,plain; do
@@ -989,9 +989,9 @@ done
 specdec demo > $OUT/demo-zen4-s39.txt 2>&1
 # The staged draft model's Python: retrieval's guesses, then the loop (each against its file's previous version)
 git show 0c3efec:src/specdec/drafters/prompt_lookup.py > /tmp/old_pl.py
-python docs/measurements/staged_propose_ab.py /tmp/old_pl.py > $OUT/staged-propose-ab-zen4-s39.txt
+python docs/measurements/staged_ab.py propose /tmp/old_pl.py > $OUT/staged-propose-ab-zen4-s39.txt
 git show 1663b4d:src/specdec/drafters/draft_model.py > /tmp/old_draft_model.py
-python docs/measurements/staged_loop_ab.py /tmp/old_draft_model.py > $OUT/staged-loop-ab-zen4-s39.txt
+python docs/measurements/staged_ab.py loop /tmp/old_draft_model.py > $OUT/staged-loop-ab-zen4-s39.txt
 # The staged draft model over issue 22's prompts
 specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
   --draft smollm2-135m-q4_1 -k 8 --draft-staged retrieval --no-transformers --threads 2 \
