@@ -1196,25 +1196,22 @@ static void qtile_##NAME##_##R##_2(const struct qrows* x, long m0, const uint8_t
 #define QROWS_Q4 8 /* the 4-bit types unpack into more registers: at most 8 rows per block */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SD_QVECTOR "avx2"
-#define QROWS 16
-#define QROWS_Q4 16
-#define QSTREAM_ROWS 6 /* tiles of up to this many rows take each block piece by piece */
-#define QAHEAD 4        /* blocks ahead that such a tile asks for */
+#define QROWS 6
+#define QROWS_Q4 6
+#define QAHEAD 4        /* blocks ahead that a tile asks for */
 /* Eight lanes: a block's 16 columns are two halves of 8. Products in int16 pairs by vpmaddubsw: the
  * 4-bit types' eight pair sums of a half add up in int16 (|c a| <= 15 * 127, sixteen products per lane
  * < 2^15) before one vpmaddwd; Q8_0 as |q| times a with q's sign (q = c - 128; |q| <= 128, |a| <= 127,
  * a pair fits int16), each pair sum widened at once. Q8_0's sums are then sum q a, which is exactly
  * sum c a - 128 A: the same integer the other builds form, so the same bits after it.
- * A few rows (up to QSTREAM_ROWS): each 64-byte piece of a block (both halves) is unpacked and meets
- * every row at once, in registers, each broadcast of a row's four inputs serving both halves, and the
- * block QAHEAD blocks on is asked for meanwhile (measured on a Zen 1 at two threads, one and two rows'
- * quantized products 0.72-0.90x the time of the buffered body below; on a Zen 3, 4-6 rows 0.85-0.92x
- * with the limit raised from 3 to 6). More rows: Q8_0's block is unpacked once into registers that
- * spill to an L1 buffer, which every row then reads, one broadcast serving both halves; the 4-bit
- * types go half by half, the half's eight unpacked registers staying put while every row meets them
- * (twice the broadcasts, no reloads: 8-16 rows 0.89-0.93x the time of the buffered body on a Zen 3,
- * which keeps its vector pipes busy either way). The same integer sums and the same float operations
- * in the same order, so the same bits. */
+ * Each 64-byte piece of a block (both halves) is unpacked and meets every row of the tile (up to 6) at
+ * once, in registers, each broadcast of a row's four inputs serving both halves, and the block QAHEAD
+ * blocks on is asked for meanwhile. More rows go in blocks of up to 6 that share the panels from L2.
+ * The empty asm after each row's update keeps that row's running sums in registers: integer adds are
+ * exact in any order, so the compiler is free to re-associate a block's 16 products per row into a tree,
+ * and did (gcc 12), storing every product to the stack first (measured on a Zen 4 core without its
+ * AVX-512, the real model's quantized products at two threads: 2-5 rows 0.78-0.91x the time; blocks of
+ * up to 6 rows against the 7-16-row tiles of 8-lane halves that this replaced, 7-16 rows 0.77-0.92x). */
 static inline __attribute__((always_inline)) __m256 qblock_add(__m256 acc, __m256i sum, __m256 d, __m256 m,
                                                                 const struct qrows* x, long at, int z, int has_m) {
     sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(z * x->A[at]));
@@ -1236,83 +1233,43 @@ static inline __attribute__((always_inline)) void qtile_body(const struct qrows*
             d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * h)));
             m[h] = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 32 + 16 * h))) : d[h];
         }
-        if (R <= QSTREAM_ROWS) {
-            const int RS = R <= QSTREAM_ROWS ? R : QSTREAM_ROWS; /* R itself; bounds the arrays for the compiler */
-            for (long line = 0; line < bytes; line += 64)
-                _mm_prefetch((const char*)blk + QAHEAD * bytes + line, _MM_HINT_T0);
-            const int32_t* quad[QSTREAM_ROWS];
-            for (int r = 0; r < RS; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            __m256i sum[QSTREAM_ROWS][2];
-            for (int r = 0; r < RS; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-            for (int v = 0; v < (q4 ? 4 : 8); v++) {  /* both halves of a piece meet each row's broadcast */
-                __m256i raw0 = _mm256_loadu_si256((const __m256i*)(codes + v * 64));
-                __m256i raw1 = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + 32));
-                if (q4) {
-                    __m256i lo0 = _mm256_and_si256(raw0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
-                    __m256i lo1 = _mm256_and_si256(raw1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
-                    for (int r = 0; r < RS; r++) {  /* int16 pair sums, widened after v = 3 */
-                        __m256i alo = _mm256_set1_epi32(quad[r][v]), ahi = _mm256_set1_epi32(quad[r][4 + v]);
-                        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo),
-                                                                                 _mm256_maddubs_epi16(hi0, ahi)));
-                        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo),
-                                                                                 _mm256_maddubs_epi16(hi1, ahi)));
-                    }
-                } else {
-                    __m256i q0 = _mm256_xor_si256(raw0, flip), mag0 = _mm256_abs_epi8(q0);
-                    __m256i q1 = _mm256_xor_si256(raw1, flip), mag1 = _mm256_abs_epi8(q1);
-                    for (int r = 0; r < RS; r++) {
-                        __m256i a = _mm256_set1_epi32(quad[r][v]);
-                        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(mag0, _mm256_sign_epi8(a, q0)), ones));
-                        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(mag1, _mm256_sign_epi8(a, q1)), ones));
-                    }
+        for (long line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char*)blk + QAHEAD * bytes + line, _MM_HINT_T0);
+        const int32_t* quad[QROWS];
+        for (int r = 0; r < R; r++) quad[r] = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
+        __m256i sum[QROWS][2];
+        for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+        for (int v = 0; v < (q4 ? 4 : 8); v++) {  /* both halves of a piece meet each row's broadcast */
+            __m256i raw0 = _mm256_loadu_si256((const __m256i*)(codes + v * 64));
+            __m256i raw1 = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + 32));
+            if (q4) {
+                __m256i lo0 = _mm256_and_si256(raw0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+                __m256i lo1 = _mm256_and_si256(raw1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+                for (int r = 0; r < R; r++) {  /* int16 pair sums, widened after v = 3 */
+                    __m256i alo = _mm256_set1_epi32(quad[r][v]), ahi = _mm256_set1_epi32(quad[r][4 + v]);
+                    sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, alo),
+                                                                             _mm256_maddubs_epi16(hi0, ahi)));
+                    sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, alo),
+                                                                             _mm256_maddubs_epi16(hi1, ahi)));
+                    __asm__("" : "+x"(sum[r][0]), "+x"(sum[r][1]));
                 }
-            }
-            for (int r = 0; r < RS; r++)
-                for (int h = 0; h < 2; h++)
-                    acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r][h], ones) : sum[r][h], d[h], m[h],
-                                           x, (m0 + r) * nb + b, z, has_m);
-            continue;
-        }
-        if (q4) {  /* half by half */
-            for (int h = 0; h < 2; h++) {
-                __m256i w[8]; /* inputs 4v + t in w[v], 16 + 4v + t in w[4 + v] */
-                for (int v = 0; v < 4; v++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + v * 64 + h * 32));
-                    w[v] = _mm256_and_si256(raw, low);
-                    w[4 + v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                }
+            } else {
+                __m256i q0 = _mm256_xor_si256(raw0, flip), mag0 = _mm256_abs_epi8(q0);
+                __m256i q1 = _mm256_xor_si256(raw1, flip), mag1 = _mm256_abs_epi8(q1);
                 for (int r = 0; r < R; r++) {
-                    const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-                    __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
-                    for (int g = 1; g < 8; g++)
-                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(quad[g])));
-                    acc[r][h] = qblock_add(acc[r][h], _mm256_madd_epi16(pairs, ones), d[h], m[h], x,
-                                           (m0 + r) * nb + b, z, has_m);
+                    __m256i a = _mm256_set1_epi32(quad[r][v]);
+                    sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(mag0, _mm256_sign_epi8(a, q0)), ones));
+                    sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(mag1, _mm256_sign_epi8(a, q1)), ones));
+                    __asm__("" : "+x"(sum[r][0]), "+x"(sum[r][1]));
                 }
             }
-            continue;
         }
-        __m256i w[2][16]; /* per half: |q| then q */
-        for (int h = 0; h < 2; h++)
-            for (int g = 0; g < 8; g++) {
-                __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 64 + h * 32)), flip);
-                w[h][g] = _mm256_abs_epi8(q);
-                w[h][8 + g] = q;
-            }
-        for (int r = 0; r < R; r++) {  /* each broadcast of the row's inputs meets both halves */
-            const int32_t* quad = (const int32_t*)(x->a + (m0 + r) * x->K + b * 32);
-            __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int g = 0; g < 8; g++) {
-                __m256i a = _mm256_set1_epi32(quad[g]);
-                for (int h = 0; h < 2; h++)
-                    sum[h] = _mm256_add_epi32(sum[h], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(w[h][g], _mm256_sign_epi8(a, w[h][8 + g])), ones));
-            }
+        for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++)
-                acc[r][h] = qblock_add(acc[r][h], sum[h], d[h], m[h], x, (m0 + r) * nb + b, z, has_m);
-        }
+                acc[r][h] = qblock_add(acc[r][h], q4 ? _mm256_madd_epi16(sum[r][h], ones) : sum[r][h], d[h], m[h],
+                                       x, (m0 + r) * nb + b, z, has_m);
     }
     for (int r = 0; r < R; r++) for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out + r * 2 * NR + 8 * h, acc[r][h]);
 }
@@ -1362,10 +1319,15 @@ static void qtile_##NAME##_##R##_1(const struct qrows* x, long m0, const uint8_t
 #endif
 typedef void (*qtile_fn)(const struct qrows*, long, const uint8_t*, long, float*);
 QTILE(1) QTILE(2) QTILE(3) QTILE(4)
+#if QROWS >= 6
+QTILE(5) QTILE(6)
+#endif
 #if QROWS == 16
-QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12) QTILE(13) QTILE(14) QTILE(15) QTILE(16)
+QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12) QTILE(13) QTILE(14) QTILE(15) QTILE(16)
 static const qtile_fn qtiles[17][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4) QENTRY(5) QENTRY(6)
     QENTRY(7) QENTRY(8) QENTRY(9) QENTRY(10) QENTRY(11) QENTRY(12) QENTRY(13) QENTRY(14) QENTRY(15) QENTRY(16)};
+#elif QROWS == 6
+static const qtile_fn qtiles[7][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4) QENTRY(5) QENTRY(6)};
 #else
 static const qtile_fn qtiles[5][2][3] = {{{0}}, QENTRY(1) QENTRY(2) QENTRY(3) QENTRY(4)};
 #endif
