@@ -330,6 +330,30 @@ def test_a_copy_that_drafts_for_its_float_model_records_its_setting_once(exporte
     assert DraftModel("tiny-copy").staged is None
 
 
+def test_the_shipped_setting_follows_the_cpus_bfloat16_dot_products(exported, wheelhouse, monkeypatch):
+    """A CPU without bfloat16 dot products gets the setting shipped for it, one with them the other; a folder
+    moved between the two (a cache on a new machine) takes this machine's, and a bench's own record stays."""
+    from specdec.models import kernels
+
+    add, cache = wheelhouse
+    add("tiny-cpu", exported.read_bytes())
+    wide = {"num_draft_tokens": 8, "tree": None, "staged": "prompt-lookup", "staged_guesses": 3}
+    narrow = {**wide, "num_draft_tokens": 4}
+    spec = dataclasses.replace(zoo.REAL_MODELS["tiny-cpu"], quantized=True, draft_defaults=wide,
+                               draft_defaults_no_bf16_dot=narrow)
+    monkeypatch.setitem(zoo.REAL_MODELS, "tiny-cpu", spec)
+    config_file = cache / "models" / "tiny-cpu" / "config.json"
+    for dot, expected in ((False, narrow), (True, wide), (False, narrow)):
+        monkeypatch.setattr(kernels, "fast_bfloat16", lambda dot=dot: dot)
+        zoo_path("tiny-cpu")
+        assert json.loads(config_file.read_text())["specdec"]["defaults"] == {**expected, "shipped": True}
+    own = {**json.loads(config_file.read_text()), "specdec": {"defaults": {"num_draft_tokens": 2, "tree": None}}}
+    config_file.write_text(json.dumps(own))                # a bench --record on this machine
+    monkeypatch.setattr(kernels, "fast_bfloat16", lambda: True)
+    zoo_path("tiny-cpu")
+    assert json.loads(config_file.read_text()) == own
+
+
 def test_damaged_or_short_members_are_refused(exported, wheelhouse):
     good = exported
     add, cache = wheelhouse

