@@ -1029,3 +1029,13 @@ specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval 
   --output $OUT/staged-retrieval-20x128-avx2-s40.json
 # After it (the file's k = 4 here)
 specdec demo > $OUT/demo-avx2-s40c.txt 2>&1
+# Guesses a pass at k = 3, 4, 5 (after the change)
+for g in 2 3; do
+  specdec bench --target smollm2-135m --dtype bfloat16 --tasks sharegpt humaneval --num-prompts 4 --max-new-tokens 96 \
+    --draft smollm2-135m-q4_1 -k 3 4 5 --draft-staged retrieval --staged-guesses $g --no-transformers --threads 2 \
+    --repeats 2 --output $OUT/staged-g$g-avx2-s40.json
+done
+# The scheduler against plain decoding alone, at 16 and 64 clients
+specdec bench-serve --target smollm2-135m --dtype bfloat16 --drafter dspark --modes plain dspark@confidence \
+  --concurrency 16 64 --rounds 3 --requests-per-client 2 --max-tokens 64 --max-batch-size 16 --tasks sharegpt \
+  --threads 2 --in-process --output $OUT/dspark-serve-16-64-avx2-s40.json
